@@ -1,0 +1,17 @@
+"""Fucina: named-axis tensors, autograd and training on the CPU, every kernel generated as
+LLVM IR on first use, compiled for this CPU and cached on disk.
+
+    import fucina as fu
+    with fu.ExecContext() as ctx:
+        x = ctx.tensor([[1, 2], [3, 4]], tags=("row", "col"))
+        b = ctx.tensor([10, 20], tags=("col",))
+        print((x + b).numpy())
+"""
+from .ag.context import ExecContext
+from .ag.tensor import Tensor
+from .errors import *  # noqa: F401,F403  (the SPEC §0.3 catalogue)
+from .errors import __all__ as _errors
+from .exec.raw import MAX_RANK, LayoutClass
+
+__version__ = "0.1.0"
+__all__ = ["ExecContext", "Tensor", "LayoutClass", "MAX_RANK", *_errors]

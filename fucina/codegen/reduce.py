@@ -1,0 +1,126 @@
+"""Reduction kernels over one axis, with an accumulation order fixed by the problem size.
+
+The exec layer views the (contiguous) input as [A, N, B] and reduces N. The axis is cut into
+segments of length C (chosen from N alone); each work item q reduces one segment and writes a
+partial, and a second launch over the partials finishes the job. Which thread runs which item
+never matters, so results are bitwise identical for any thread count.
+
+  inner (B == 1): item q = (a, s); 4 vector accumulators stride through the segment, a masked
+                  tail, then a fixed combine (0+1, 2+3, then the halves) and a fixed lane tree.
+  outer (B > 1):  item q = (a, s, block of 4 vectors along B); for each n in the segment,
+                  serially, acc[b] = op(acc[b], x[a, n, b]) — vectorized across B.
+
+Argument block: x, out, A, N, B, C, S, items per chunk, divisor (f32 bits; used by post="div").
+Output layout: [A, S, B] partials (S == 1 on the final pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import irutil as u
+from .elementwise import _nan_max, _nan_min
+from .kernels import KernelKey, register
+from .target import host
+
+UNROLL = 4
+
+IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+COMBINE = {"sum": lambda b, x, y: b.fadd(x, y), "max": _nan_max, "min": _nan_min}
+
+
+@register
+@dataclass(frozen=True)
+class ReduceKey(KernelKey):
+    family = "reduce"
+    op: str        # sum | max | min
+    in_dtype: str  # f32 | f16 | bf16 (widened); partials and results are f32
+    post: str      # none | div (mean: divide the final value by the divisor argument)
+    inner: bool    # B == 1
+
+    def ir(self, symbol: str) -> str:
+        return str(_build(self, symbol))
+
+
+def _hreduce(b, v, combine):
+    """Fold a vector to a scalar by halves: a fixed tree, the same on every call."""
+    n = v.type.count
+    while n > 1:
+        h = n // 2
+        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h))))
+        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h, n))))
+        v, n = combine(b, lo, hi), h
+    return b.extract_element(v, u.i64(0))
+
+
+def _build(key: ReduceKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = host().f32_lanes
+    vt = ir.VectorType(u.F32, W)
+    combine = COMBINE[key.op]
+    ident = IDENTITY[key.op]
+    x, out = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+    A, N, B, C, S, per = (u.arg(b, args, i) for i in range(2, 8))
+    divisor = u.arg_f32(b, args, 8)
+    nblk = u.i64(1) if key.inner else b.sdiv(b.add(B, u.i64(UNROLL * W - 1)), u.i64(UNROLL * W))
+    items = b.mul(b.mul(A, S), nblk)
+    q0 = b.mul(c0, per)
+    q1 = u.smin(b, b.mul(c1, per), items)
+
+    def finish(v):
+        if key.post != "div":
+            return v
+        return b.fdiv(v, divisor if v.type == u.F32 else u.splat(b, divisor, W))
+
+    with u.Loop(b, q0, q1, 1, "q") as q:
+        blk = b.srem(q, nblk)
+        rest = b.sdiv(q, nblk)
+        s = b.srem(rest, S)
+        a = b.sdiv(rest, S)
+        n0 = b.mul(s, C)
+        length = u.smin(b, C, b.sub(N, n0))
+        if key.inner:
+            base = b.gep(x, [b.add(b.mul(a, N), n0)], source_etype=u.STORAGE[key.in_dtype])
+            accs = [u.entry_alloca(b, vt) for _ in range(UNROLL)]
+            for p in accs:
+                b.store(u.const(vt, ident), p)
+            big = b.sub(length, b.srem(length, u.i64(UNROLL * W)))
+            with u.Loop(b, u.i64(0), big, UNROLL * W, "j") as j:
+                for t, p in enumerate(accs):
+                    v = u.load(b, base, b.add(j, u.i64(t * W)), key.in_dtype, W)
+                    b.store(combine(b, b.load(p), v), p)
+            full = b.sub(length, b.srem(length, u.i64(W)))
+            with u.Loop(b, big, full, W, "k") as j:
+                v = u.load(b, base, j, key.in_dtype, W)
+                b.store(combine(b, b.load(accs[0]), v), accs[0])
+            tail = b.sub(length, full)
+            with b.if_then(b.icmp_signed(">", tail, u.i64(0))):
+                mask = u.tail_mask(b, tail, W)
+                v = u.load(b, base, full, key.in_dtype, W, mask, ident)
+                b.store(combine(b, b.load(accs[1]), v), accs[1])
+            v01 = combine(b, b.load(accs[0]), b.load(accs[1]))
+            v23 = combine(b, b.load(accs[2]), b.load(accs[3]))
+            total = _hreduce(b, combine(b, v01, v23), combine)
+            u.store(b, finish(total), out, q, "f32")
+        else:
+            b0 = b.mul(blk, u.i64(UNROLL * W))
+            masks = [u.tail_mask(b, u.smin(b, u.i64(W), b.sub(B, b.add(b0, u.i64(t * W)))), W)
+                     for t in range(UNROLL)]
+            # lanes past B stay masked; a negative remaining count gives an all-off mask
+            masks = [b.and_(m, u.splat(b, b.icmp_signed("<", b.add(b0, u.i64(t * W)), B), W))
+                     for t, m in enumerate(masks)]
+            accs = [u.entry_alloca(b, vt) for _ in range(UNROLL)]
+            for p in accs:
+                b.store(u.const(vt, ident), p)
+            row0 = b.add(b.mul(b.add(b.mul(a, N), n0), B), b0)
+            with u.Loop(b, u.i64(0), length, 1, "n") as n:
+                row = b.add(row0, b.mul(n, B))
+                for t, p in enumerate(accs):
+                    v = u.load(b, x, b.add(row, u.i64(t * W)), key.in_dtype, W, masks[t], ident)
+                    b.store(combine(b, b.load(p), v), p)
+            obase = b.add(b.mul(rest, B), b0)
+            for t, p in enumerate(accs):
+                u.store(b, finish(b.load(p)), out, b.add(obase, u.i64(t * W)), "f32", masks[t])
+    b.ret_void()
+    return mod

@@ -1,0 +1,43 @@
+"""The host target: CPU name, features and the vector width every generated kernel is built for.
+
+llvmlite emits SSE2-only code unless told the host CPU and its features, so everything that
+compiles or keys the cache goes through `host()`.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    triple: str
+    cpu: str
+    features: str
+    vector_bits: int  # widest float vector register: 512 on AVX-512, 256 on AVX2, 128 otherwise
+
+    @property
+    def f32_lanes(self) -> int:
+        return self.vector_bits // 32
+
+
+@functools.lru_cache(maxsize=None)
+def host() -> Target:
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    features = llvm.get_host_cpu_features().flatten()
+    enabled = {f[1:] for f in features.split(",") if f.startswith("+")}
+    bits = 512 if "avx512f" in enabled else 256 if "avx2" in enabled else 128
+    return Target(llvm.get_process_triple(), llvm.get_host_cpu_name(), features, bits)
+
+
+@functools.lru_cache(maxsize=None)
+def target_machine():
+    """One TargetMachine for the process: creating it costs ~1 ms, compiling reuses it."""
+    import llvmlite.binding as llvm
+
+    t = host()
+    return llvm.Target.from_triple(t.triple).create_target_machine(
+        cpu=t.cpu, features=t.features, opt=3, reloc="pic", codemodel="jitdefault")

@@ -1,0 +1,75 @@
+"""Every error the library raises: one base class, the reference's error names as subclasses.
+
+Messages name the op, the operand and what was expected versus given, in one line.
+"""
+from __future__ import annotations
+
+
+class FucinaError(Exception):
+    """Base of every Fucina error."""
+
+
+def _family(base, names, doc):
+    out = {}
+    for name in names:
+        out[name] = type(name, (base,), {"__doc__": doc, "__module__": __name__})
+    return out
+
+
+class ContextMismatch(FucinaError):
+    """Operands belong to two different ExecContexts."""
+
+
+class ContextClosed(FucinaError, RuntimeError):
+    """The ExecContext (or a tensor's context) was closed."""
+
+
+class TensorError(FucinaError):
+    """Shape family: extents, lengths and indices."""
+
+
+class TagError(FucinaError, TypeError):
+    """A named-axis problem, raised before any computation (a compile error in the reference)."""
+
+
+class DTypeError(FucinaError, TypeError):
+    """An op called on a dtype it does not support."""
+
+
+class KernelCacheError(FucinaError):
+    """FUCINA_ASSERT_WARM=1 and a kernel would have to be compiled."""
+
+
+class GradientError(FucinaError):
+    """Gradient family."""
+
+
+class ScopeError(FucinaError):
+    """Exec-scope family."""
+
+
+class OptimError(FucinaError):
+    """Optimizer family."""
+
+
+class EsError(FucinaError):
+    """Evolution-strategies family."""
+
+
+class UseAfterRelease(FucinaError, RuntimeError):
+    """A tensor was used after release() or after its exec scope closed."""
+
+
+globals().update(_family(TensorError, [
+    "ShapeMismatch", "InvalidShape", "InvalidDataLength", "IndexOutOfBounds", "DivisionByZero",
+    "EmptySelection"], "Shape-family error."))
+globals().update(_family(GradientError, [
+    "UnsupportedGradient", "GradientCastUnsupported", "GradientPackedMatmulUnsupported",
+    "GradientQuantizedMatmulUnsupported", "GradientPreparedConv2dUnsupported",
+    "MutableDataRequiresNoGrad", "NoGradientGraph", "MissingOutputGradient",
+    "MissingBackwardGradient", "BackwardAlreadyRun", "LinearCrossEntropyBackwardConsumed",
+    "LinearDistillBackwardConsumed", "GraphNodeReleased"], "Gradient-family error."))
+globals().update(_family(ScopeError, [
+    "ActiveExecScopeRequired", "ActiveExecScopeUnsupported"], "Exec-scope error."))
+
+__all__ = [n for n, v in globals().items() if isinstance(v, type) and issubclass(v, FucinaError)]

@@ -1,0 +1,118 @@
+"""The exec-layer context: one buffer pool, one lazily started thread team, and launching.
+
+Two contexts share nothing. A context that only ever runs small ops never starts a thread.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+
+from ..errors import ContextClosed, ContextMismatch, InvalidDataLength, InvalidShape
+from ..runtime import _rt
+from .dtypes import check, to_storage
+from .raw import MAX_RANK, RawTensor, contiguous_strides, layout, numel
+
+
+def _debug() -> bool:
+    return os.environ.get("FUCINA_DEBUG") == "1"
+
+
+class Context:
+    """Pool + team + launch. The public ExecContext (fucina.ag) adds Tensor constructors."""
+
+    def __init__(self, threads: int | None = None):
+        if threads is None:
+            threads = os.cpu_count() or 1
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"ExecContext: expected threads >= 1 or None, got {threads!r}")
+        self.threads = threads
+        self.pool = _rt.Pool()
+        self._team = None
+        self.closed = False
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Stop the team, drop the cache, report buffers still alive (a leak in the reference)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._team is not None:
+            self._team.close()
+            self._team = None
+        leaked = self.pool.close()
+        if leaked:
+            msg = f"ExecContext.close: {leaked} pooled buffers still referenced (leaked {leaked} pooled buffers)"
+            if _debug():
+                raise AssertionError(msg)
+            warnings.warn(msg, ResourceWarning, stacklevel=2)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def check_open(self, op: str = "op") -> None:
+        if self.closed:
+            raise ContextClosed(f"{op}: the ExecContext was closed; expected an open context")
+
+    def same(self, other: "Context", op: str) -> None:
+        if other is not self:
+            raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
+
+    # ---- memory ----
+    def empty(self, shape, dtype: str = "f32") -> RawTensor:
+        """An uninitialised contiguous tensor from the pool (caller-owned)."""
+        self.check_open("empty")
+        shape = validate_shape(shape, "empty")
+        lay = layout(dtype, shape, contiguous_strides(shape))
+        return RawTensor(self.pool.alloc(lay.nbytes, dtype == "f32"), lay, 0, self)
+
+    def alloc(self, lay) -> RawTensor:
+        """A new tensor of a contiguous layout (the hot path: no validation)."""
+        return RawTensor(self.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, self)
+
+    def from_numpy(self, data, shape=None, dtype: str = "f32", op: str = "from_slice") -> RawTensor:
+        """Copy array-like data into a new pooled tensor (the numpy I/O bridge)."""
+        check(dtype, op)
+        if shape is None:
+            shape = np.shape(data)
+        arr = to_storage(data, dtype)
+        shape = tuple(shape)
+        if arr.size != numel(shape):
+            raise InvalidDataLength(
+                f"{op}: expected {numel(shape)} values for shape {shape}, got {arr.size}")
+        t = self.empty(shape, dtype)
+        np.frombuffer(t.buf, dtype=arr.dtype, count=arr.size)[:] = arr.reshape(-1)
+        return t
+
+    # ---- launching ----
+    def team(self):
+        """The worker team, started on first need (caller + threads-1 workers)."""
+        if self._team is None:
+            self._team = _rt.Team(self.threads)
+        return self._team
+
+    def launch(self, addr: int, n_chunks: int, cost: int, *args) -> None:
+        _rt.launch(self.team_for(n_chunks, cost), addr, n_chunks, cost, *args)
+
+    def team_for(self, n_chunks: int, cost: int):
+        """The team when a job is worth splitting, else None (run inline on the caller)."""
+        if n_chunks > 1 and cost >= INLINE_THRESHOLD and self.threads > 1:
+            return self._team or self.team()
+        return None
+
+
+INLINE_THRESHOLD = _rt.get_inline_threshold()
+
+
+def validate_shape(shape, op: str) -> tuple:
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > MAX_RANK:
+        raise InvalidShape(f"{op}: expected rank <= {MAX_RANK}, got shape {shape}")
+    if any(d < 1 for d in shape):
+        raise InvalidShape(f"{op}: expected every axis size >= 1, got shape {shape}")
+    return shape

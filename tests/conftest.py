@@ -1,0 +1,51 @@
+"""Shared fixtures: contexts at 1 and 2 threads, and numpy helpers for bitwise comparisons."""
+import numpy as np
+import pytest
+
+import fucina as fu
+
+
+@pytest.fixture(params=[1, 2], ids=["t1", "t2"])
+def ctx(request):
+    c = fu.ExecContext(threads=request.param)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def ctx1():
+    c = fu.ExecContext(threads=1)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def ctx2():
+    c = fu.ExecContext(threads=2)
+    yield c
+    c.close()
+
+
+def bits(a) -> np.ndarray:
+    """The raw bits of a float array, so NaN payloads and signed zeros compare exactly."""
+    a = np.ascontiguousarray(a)
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def assert_bitwise(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    gb, wb = bits(got), bits(want)
+    # all NaNs are equal for our purposes unless the test checks payloads itself
+    nan = np.isnan(got) & np.isnan(want) if got.dtype.kind == "f" else np.zeros(got.shape, bool)
+    bad = (gb != wb) & ~nan
+    assert not bad.any(), f"{bad.sum()} of {bad.size} differ; first at {np.argwhere(bad)[:3].tolist()}: " \
+        f"got {got[bad][:3]} want {want[bad][:3]}"
+
+
+def ulp_diff(got, want64) -> np.ndarray:
+    """|got - want| in units of the float32 ulp at want (want given in float64)."""
+    want32 = want64.astype(np.float32)
+    spacing = np.spacing(np.abs(want32)).astype(np.float64)
+    return np.abs(got.astype(np.float64) - want64) / spacing
