@@ -121,6 +121,24 @@ def short(line: str, width: int = 150) -> str:
     return line if len(line) <= width else line[:width - 3] + "..."
 
 
+def compact(line: str) -> str:
+    """A key for people: `elementwise op=add in_dtypes=f32,f32 rank=2 ...`."""
+    d = json.loads(line)
+
+    def fmt(v):
+        return ",".join(fmt(x) for x in v) if isinstance(v, list) else str(v)
+
+    return " ".join([d.get("family", "?")] + [f"{k}={fmt(v)}" for k, v in d.get("fields", {}).items()])
+
+
+def shown(paths) -> str:
+    out = []
+    for p in paths:
+        p = Path(p).resolve()
+        out.append(str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p))
+    return ", ".join(out)
+
+
 # ---------------------------------------------------------------------------- workers
 
 def _worker_init():
@@ -246,7 +264,7 @@ def cmd_prewarm(lines, sources, jobs: int, bench: bool) -> int:
         slow = max(times, key=times.get)
         print(f"  per-kernel compile time: mean {1e3 * statistics.fmean(per):.0f} ms, "
               f"median {1e3 * statistics.median(per):.0f} ms, max {1e3 * per[-1]:.0f} ms, "
-              f"sum {sum(per):.2f} s; slowest: {short(slow, 110)}")
+              f"sum {sum(per):.2f} s; slowest: {compact(slow)}")
     for line in sorted(failed)[:SHOW]:
         print(f"  FAILED {short(line)}\n         {failed[line]}")
     if len(failed) > SHOW:
@@ -338,7 +356,7 @@ def main(argv=None) -> int:
         ap.error("--jobs must be at least 1")
     paths = manifest_paths(a.workload, a.manifest)
     lines = read_manifests(paths)
-    sources = ", ".join(str(p) for p in paths)
+    sources = shown(paths)
     errors = import_families()
     for mod, err in errors.items():
         print(f"prewarm: warning: {mod} does not import ({err}); its keys will fail", file=sys.stderr)

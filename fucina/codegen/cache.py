@@ -65,6 +65,7 @@ def write(root: Path, digest: bytes, symbol: str, obj: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a shared or prewarmed cache from other users
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -70,6 +71,7 @@ stats = Stats()
 _memo: dict[KernelKey, int] = {}
 _fingerprint: bytes | None = None
 _recorded: set[str] = set()
+_lock = threading.Lock()
 
 
 def fingerprint() -> bytes:
@@ -97,10 +99,15 @@ def digest(key: KernelKey) -> bytes:
 
 
 def get(key: KernelKey) -> int:
-    """The address of the kernel for `key`, compiling it only if no cache has it."""
+    """The address of the kernel for `key`, compiling it only if no cache has it.
+
+    LLVM's engine is not thread-safe, so resolving is serialised; hits never take the lock."""
     addr = _memo.get(key)
     if addr is None:
-        addr = _memo[key] = _resolve(key)
+        with _lock:
+            addr = _memo.get(key)
+            if addr is None:
+                addr = _memo[key] = _resolve(key)
     return addr
 
 

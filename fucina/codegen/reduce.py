@@ -7,8 +7,9 @@ never matters, so results are bitwise identical for any thread count.
 
   inner (B == 1): item q = (a, s); 4 vector accumulators stride through the segment, a masked
                   tail, then a fixed combine (0+1, 2+3, then the halves) and a fixed lane tree.
-  outer (B > 1):  item q = (a, s, block of 4 vectors along B); for each n in the segment,
-                  serially, acc[b] = op(acc[b], x[a, n, b]) — vectorized across B.
+  outer (B > 1):  item q = (a, s, block of BLOCK columns); for each n in the segment, in
+                  order, out[b] = op(out[b], x[a, n, b]) — vectorized across b, rows read in
+                  memory order.
 
 Argument block: x, out, A, N, B, C, S, items per chunk, divisor (f32 bits; used by post="div").
 Output layout: [A, S, B] partials (S == 1 on the final pass).
@@ -25,6 +26,7 @@ from .kernels import KernelKey, register
 from .target import host
 
 UNROLL = 4
+BLOCK = 2048  # outer reductions: columns per work item (8 KiB of f32 accumulators)
 
 IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 COMBINE = {"sum": lambda b, x, y: b.fadd(x, y), "max": _nan_max, "min": _nan_min}
@@ -63,7 +65,7 @@ def _build(key: ReduceKey, symbol: str) -> ir.Module:
     x, out = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
     A, N, B, C, S, per = (u.arg(b, args, i) for i in range(2, 8))
     divisor = u.arg_f32(b, args, 8)
-    nblk = u.i64(1) if key.inner else b.sdiv(b.add(B, u.i64(UNROLL * W - 1)), u.i64(UNROLL * W))
+    nblk = u.i64(1) if key.inner else b.sdiv(b.add(B, u.i64(BLOCK - 1)), u.i64(BLOCK))
     items = b.mul(b.mul(A, S), nblk)
     q0 = b.mul(c0, per)
     q1 = u.smin(b, b.mul(c1, per), items)
@@ -104,23 +106,32 @@ def _build(key: ReduceKey, symbol: str) -> ir.Module:
             total = _hreduce(b, combine(b, v01, v23), combine)
             u.store(b, finish(total), out, q, "f32")
         else:
-            b0 = b.mul(blk, u.i64(UNROLL * W))
-            masks = [u.tail_mask(b, u.smin(b, u.i64(W), b.sub(B, b.add(b0, u.i64(t * W)))), W)
-                     for t in range(UNROLL)]
-            # lanes past B stay masked; a negative remaining count gives an all-off mask
-            masks = [b.and_(m, u.splat(b, b.icmp_signed("<", b.add(b0, u.i64(t * W)), B), W))
-                     for t, m in enumerate(masks)]
-            accs = [u.entry_alloca(b, vt) for _ in range(UNROLL)]
-            for p in accs:
-                b.store(u.const(vt, ident), p)
+            # Rows stream in memory order; the block's accumulators live in the output (L1-sized),
+            # and each output still folds its column serially over n, so the order is fixed.
+            b0 = b.mul(blk, u.i64(BLOCK))
+            width = u.smin(b, u.i64(BLOCK), b.sub(B, b0))
+            obase = b.gep(out, [b.add(b.mul(rest, B), b0)], source_etype=u.F32)
+            full = b.sub(width, b.srem(width, u.i64(W)))
+            tail = b.sub(width, full)
+            mask = u.tail_mask(b, tail, W)
+            with u.Loop(b, u.i64(0), full, W, "init") as j:
+                u.store(b, u.const(vt, ident), obase, j, "f32")
+            with b.if_then(b.icmp_signed(">", tail, u.i64(0))):
+                u.store(b, u.const(vt, ident), obase, full, "f32", mask)
             row0 = b.add(b.mul(b.add(b.mul(a, N), n0), B), b0)
             with u.Loop(b, u.i64(0), length, 1, "n") as n:
-                row = b.add(row0, b.mul(n, B))
-                for t, p in enumerate(accs):
-                    v = u.load(b, x, b.add(row, u.i64(t * W)), key.in_dtype, W, masks[t], ident)
-                    b.store(combine(b, b.load(p), v), p)
-            obase = b.add(b.mul(rest, B), b0)
-            for t, p in enumerate(accs):
-                u.store(b, finish(b.load(p)), out, b.add(obase, u.i64(t * W)), "f32", masks[t])
+                xrow = b.gep(x, [b.add(row0, b.mul(n, B))], source_etype=u.STORAGE[key.in_dtype])
+                with u.Loop(b, u.i64(0), full, W, "j") as j:
+                    acc = u.load(b, obase, j, "f32", W)
+                    u.store(b, combine(b, acc, u.load(b, xrow, j, key.in_dtype, W)), obase, j, "f32")
+                with b.if_then(b.icmp_signed(">", tail, u.i64(0))):
+                    acc = u.load(b, obase, full, "f32", W, mask)
+                    v = u.load(b, xrow, full, key.in_dtype, W, mask, ident)
+                    u.store(b, combine(b, acc, v), obase, full, "f32", mask)
+            if key.post == "div":
+                with u.Loop(b, u.i64(0), full, W, "fin") as j:
+                    u.store(b, finish(u.load(b, obase, j, "f32", W)), obase, j, "f32")
+                with b.if_then(b.icmp_signed(">", tail, u.i64(0))):
+                    u.store(b, finish(u.load(b, obase, full, "f32", W, mask)), obase, full, "f32", mask)
     b.ret_void()
     return mod

@@ -35,9 +35,13 @@ def host() -> Target:
 
 @functools.lru_cache(maxsize=None)
 def target_machine():
-    """One TargetMachine for the process: creating it costs ~1 ms, compiling reuses it."""
+    """One TargetMachine for the process: creating it costs ~1 ms, compiling reuses it.
+
+    Static relocation: with "pic" under MCJIT's large code model, loading an object that calls
+    an outside symbol (a memset LLVM inserts, say) made later objects read constants from the
+    wrong address."""
     import llvmlite.binding as llvm
 
     t = host()
     return llvm.Target.from_triple(t.triple).create_target_machine(
-        cpu=t.cpu, features=t.features, opt=3, reloc="pic", codemodel="jitdefault")
+        cpu=t.cpu, features=t.features, opt=3, reloc="static", codemodel="jitdefault")

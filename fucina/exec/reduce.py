@@ -7,8 +7,7 @@ length depends on N alone; the partials are reduced by a second launch of the sa
 from __future__ import annotations
 
 from ..codegen import kernels
-from ..codegen.reduce import UNROLL, ReduceKey
-from ..codegen.target import host
+from ..codegen.reduce import BLOCK, ReduceKey
 from ..errors import DTypeError
 from .elementwise import f32_bits, materialize
 from .raw import RawTensor, numel
@@ -26,9 +25,9 @@ def _launch(ctx, op, dtype, post, x_addr, A, N, B, C, divisor, itemsize):
     """One pass: reduce segments of length C; returns the [A, S, B] f32 partials."""
     S = -(-N // C)
     inner = B == 1
-    nblk = 1 if inner else -(-B // (UNROLL * host().f32_lanes))
+    nblk = 1 if inner else -(-B // BLOCK)
     items = A * S * nblk
-    work = C * (1 if inner else min(B, UNROLL * host().f32_lanes))
+    work = C * (1 if inner else min(B, BLOCK))
     per = max(1, WORK_PER_CHUNK // max(work, 1))
     out = ctx.empty((A, S, B), "f32")
     addr = kernels.get(ReduceKey(op, dtype, post, inner))

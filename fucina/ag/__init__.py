@@ -1,0 +1,1 @@
+"""The autograd layer: the public Tensor and ExecContext (grad nodes arrive with the autograd issue)."""
