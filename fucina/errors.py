@@ -69,6 +69,13 @@ globals().update(_family(GradientError, [
     "MutableDataRequiresNoGrad", "NoGradientGraph", "MissingOutputGradient",
     "MissingBackwardGradient", "BackwardAlreadyRun", "LinearCrossEntropyBackwardConsumed",
     "LinearDistillBackwardConsumed", "GraphNodeReleased"], "Gradient-family error."))
+class GradcheckError(FucinaError):
+    """gradcheck family."""
+
+
+globals().update(_family(GradcheckError, [
+    "InvalidGradcheckOptions", "NoVariableInputs", "MissingAnalyticalGradient",
+    "GradientShapeMismatch", "GradientMismatch"], "gradcheck error."))
 globals().update(_family(ScopeError, [
     "ActiveExecScopeRequired", "ActiveExecScopeUnsupported"], "Exec-scope error."))
 

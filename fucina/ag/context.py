@@ -4,7 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import axes
-from ..exec import Context
+from ..errors import DTypeError
+from ..exec import Context, validate_shape
+from .engine import Leaf
 from ..exec.dtypes import check as check_dtype
 from .tensor import Tensor
 
@@ -23,6 +25,21 @@ class ExecContext(Context):
         tags = axes.check_tags(tags, arr.ndim, "tensor")
         return Tensor(self.from_numpy(arr, None, dtype, "tensor"), tags)
 
+    def variable(self, data, tags, dtype: str = "f32") -> Tensor:
+        """A leaf that requires grad (f32, or f16/bf16 with f32 gradients)."""
+        return _as_variable(self.tensor(data, tags, dtype), "variable")
+
+    def variable_from_slice(self, tags, shape, values, dtype: str = "f32") -> Tensor:
+        return _as_variable(self.from_slice(tags, shape, values, dtype), "variable_from_slice")
+
+    def replace(self, old: Tensor, new):
+        """`x = ctx.replace(x, lambda: x.scale(2.0))`: the new value first; only if that succeeds
+        is the old one released (a no-op for scope borrows)."""
+        value = new() if callable(new) else new
+        if value is not old:
+            old.release()
+        return value
+
     def from_slice(self, tags, shape, values, dtype: str = "f32") -> Tensor:
         self.check_open("from_slice")
         shape = tuple(shape)
@@ -31,16 +48,9 @@ class ExecContext(Context):
 
     def full(self, shape, value, tags, dtype: str = "f32") -> Tensor:
         self.check_open("full")
-        shape = tuple(shape)
+        shape = validate_shape(shape, "full")
         tags = axes.check_tags(tags, len(shape), "full")
-        check_dtype(dtype, "full")
-        raw = self.empty(shape, dtype)
-        from ..exec import elementwise as ew
-
-        # fill through the generated copy kernel from a broadcast scalar
-        one = self.from_numpy(np.asarray([value]), (1,) * len(shape) if shape else (), dtype, "full")
-        ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),), out=raw)
-        return Tensor(raw, tags)
+        return Tensor(self.full_raw(shape, value, check_dtype(dtype, "full")), tags)
 
     def zeros(self, shape, tags, dtype: str = "f32") -> Tensor:
         return self.full(shape, 0, tags, dtype)
@@ -55,3 +65,10 @@ class ExecContext(Context):
         """SPEC R-4 layout class of a tensor (or RawTensor)."""
         raw = t._live("classify") if isinstance(t, Tensor) else t
         return raw.layout_class()
+
+
+def _as_variable(t: Tensor, op: str) -> Tensor:
+    if t._raw.dtype not in ("f32", "f16", "bf16"):
+        raise DTypeError(f"{op}: expected a float dtype (f32, f16, bf16) for a variable, got {t._raw.dtype}")
+    t._node = Leaf(t._raw.shape)
+    return t

@@ -1,7 +1,8 @@
-"""The public Tensor: a RawTensor plus tags (and, from the autograd layer, a grad node).
+"""The public Tensor: a RawTensor, its tags, and (when it takes part in a graph) a grad node.
 
 Every op validates tags first (TagError), then sizes (ShapeMismatch), then runs one generated
-kernel through the exec layer. Results are new caller-owned tensors; operands are borrowed.
+kernel through the exec layer and ends in the engine's finish_op tail. Results are new tensors;
+operands are borrowed. Inside an exec scope, op results are scope-owned borrows (SPEC R-5).
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from .. import axes
 from ..errors import (ContextClosed, ContextMismatch, DTypeError, InvalidShape,
                       MutableDataRequiresNoGrad, UseAfterRelease)
 from ..exec import elementwise as ew
-from ..exec import reduce as red
 from ..exec.dtypes import check as check_dtype
 from ..exec.raw import RawTensor
 from ..runtime import _rt
+from . import elementwise as agew
+from . import engine
+from . import reduce as agred
 
 _PLANS: dict = {}  # (op, layout, other layout | reflected, tags, other tags | scalar type) -> plan
 
@@ -33,20 +36,42 @@ UNARY = ("exp", "log", "tanh", "sigmoid", "relu", "neg", "sqrt")
 class Tensor:
     """A tensor whose axes have names. Create one through an ExecContext."""
 
-    __slots__ = ("_raw", "tags", "__weakref__")
+    __slots__ = ("_raw", "tags", "_node", "_scope", "__weakref__")
 
-    def __init__(self, raw, tags):
+    def __init__(self, raw, tags, node=None):
         self._raw = raw
         self.tags = tags
+        self._node = node
+        self._scope = None
+
+    @staticmethod
+    def _result(raw, tags, node=None) -> "Tensor":
+        """An op result: adopted by the innermost open exec scope when it is f32 or carries a
+        graph node; typed constants (16-bit/int/bool no-grad results) stay caller-owned."""
+        t = Tensor(raw, tags, node)
+        ctx = raw.ctx
+        if ctx.scopes and (node is not None or raw.dtype == "f32"):
+            t._scope = ctx.scopes[-1]
+            ctx.adopt(t)
+        return t
 
     # ---- plumbing ----
     def _live(self, op: str):
         r = self._raw
         if r is None:
+            if self._scope is not None:
+                raise UseAfterRelease(f"{op}: tensor used after its exec scope closed; expected a "
+                                      f"live tensor (keep it outside the scope or copy it)")
             raise UseAfterRelease(f"{op}: tensor {self.tags} was released; expected a live tensor")
         if r.ctx.closed:
             raise ContextClosed(f"{op}: the tensor's ExecContext was closed; expected an open context")
         return r
+
+    def _scope_release(self) -> None:
+        """Called by close_exec_scope: the borrow dies, and so does its graph node."""
+        self._raw = None
+        if self._node is not None:
+            self._node.release()
 
     # ---- attributes ----
     @property
@@ -67,11 +92,11 @@ class Tensor:
 
     @property
     def requires_grad(self) -> bool:
-        return False
+        return self._node is not None
 
     @property
     def scope_owned(self) -> bool:
-        return False
+        return self._scope is not None
 
     # ---- data access ----
     def numpy(self) -> np.ndarray:
@@ -87,38 +112,89 @@ class Tensor:
     def data(self) -> np.ndarray:
         """A writable numpy view of the storage; refused on a tensor that carries gradients."""
         r = self._live("data")
-        if self.requires_grad:
+        if self._node is not None:
             raise MutableDataRequiresNoGrad(
-                "data: expected a tensor without gradients, got a variable; use data_const() to read")
+                "data: expected a tensor without gradients, got one that requires grad; "
+                "use data_const() to read it")
         return r.storage_view()
 
     def item(self):
         r = self._live("item")
         if r.numel != 1:
             raise InvalidShape(f"item: expected exactly 1 element, got shape {r.shape}")
-        v = r.to_numpy().reshape(())
-        return v.item()
+        return r.to_numpy().reshape(()).item()
 
     def release(self) -> None:
-        """Return the storage to the pool now (when no other view holds it)."""
+        """The reference's deinit: return the storage to the pool now. A no-op on a scope
+        borrow (its scope releases it). Releasing an op result before backward() makes that
+        backward raise GraphNodeReleased instead of reading freed memory."""
+        if self._scope is not None:
+            return
         self._raw = None
+        if self._node is not None:
+            self._node.release()
+            self._node = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
 
     def __repr__(self):
         if self._raw is None:
             return "Tensor(<released>)"
-        return f"Tensor(tags={self.tags}, shape={self._raw.shape}, dtype={self._raw.dtype})"
+        grad = ", requires_grad" if self._node is not None else ""
+        return f"Tensor(tags={self.tags}, shape={self._raw.shape}, dtype={self._raw.dtype}{grad})"
+
+    # ---- autograd ----
+    def backward(self, grad: "Tensor | None" = None) -> None:
+        """Back-propagate from this tensor (a scalar, or with grad= of the same tags/shape)."""
+        self._live("backward")
+        if self._node is None:
+            raise engine.no_graph("backward")
+        engine.backward(self._node, engine.seed_for(self, grad))
+
+    def _leaf(self, op):
+        self._live(op)
+        n = self._node
+        return n if isinstance(n, engine.Leaf) else None
+
+    def grad(self) -> "Tensor | None":
+        """A caller-owned copy of the accumulated gradient (f32), or None."""
+        n = self._leaf("grad")
+        if n is None or n.grad is None:
+            return None
+        g = n.grad
+        return Tensor(ew.run(g.ctx, "copy", "f32", g.shape, (g,)), self.tags)
+
+    def grad_view(self) -> "Tensor | None":
+        """The accumulator as of now (a later backward does not update this view)."""
+        n = self._leaf("grad_view")
+        return None if n is None or n.grad is None else Tensor(n.grad, self.tags)
+
+    def zero_grad(self) -> None:
+        n = self._leaf("zero_grad")
+        if n is not None:
+            n.grad = None
+
+    def detach(self) -> "Tensor":
+        """A no-grad view sharing storage."""
+        return Tensor._result(self._live("detach"), self.tags)
 
     # ---- pointwise binary (A-2 broadcasting by name) ----
     def _binary(self, op: str, other, reflected: bool = False):
-        """The per-op fast path: one plan lookup on interned layouts and tags, then alloc+launch.
-        Everything that can fail is checked when the plan is made (in _plan_binary)."""
+        """The per-op fast path: no graph, no scope, a remembered plan for these interned layouts
+        and tags, then alloc + launch. Everything that can fail was checked when the plan was made."""
         a = self._raw
-        if a is not None:
+        if a is not None and self._node is None:
             ctx = a.ctx
             if type(other) is Tensor:
                 b = other._raw
                 p = _PLANS.get((op, a.lay, None if b is None else b.lay, self.tags, other.tags))
-                if p is not None and b.ctx is ctx and not ctx.closed:
+                if (p is not None and other._node is None and b.ctx is ctx and not ctx.closed
+                        and not ctx.scopes):
                     lay, tags, addr, nch, cost, tail = p
                     out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
                     _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
@@ -126,7 +202,7 @@ class Tensor:
                     return Tensor(out, tags)
             elif type(other) is float or type(other) is int:
                 p = _PLANS.get((op, a.lay, reflected, self.tags, type(other)))
-                if p is not None and not ctx.closed:
+                if p is not None and not ctx.closed and not ctx.scopes:
                     lay, tags, addr, nch, cost, tail = p
                     bits = _bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
                     out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
@@ -137,33 +213,27 @@ class Tensor:
         return self._binary_slow(op, other, reflected)
 
     def _binary_slow(self, op: str, other, reflected: bool):
-        """Validate, run, and remember the plan so the next identical call takes the fast path."""
+        """Validate, run (recording a node if needed), and remember the plan for the fast path."""
         a = self._live(op)
         if isinstance(other, Tensor):
             b = other._live(op)
             if b.ctx is not a.ctx:
                 raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
-            dtype = ew.compute_dtype_of(op, (a.dtype, b.dtype))
-            if self.tags == other.tags and a.shape == b.shape:
-                tags, shape, va, vb = self.tags, a.shape, a, b
-            else:
-                tags, shape, lmap, rmap = axes.pointwise(op, self.tags, a.shape, other.tags, b.shape)
-                va = a.view(shape, axes.aligned_strides(lmap, shape, a.shape, a.strides))
-                vb = b.view(shape, axes.aligned_strides(rmap, shape, b.shape, b.strides))
-            out = ew.run(a.ctx, op, dtype, shape, (va, vb))
-            addr, nch, cost, tail = ew.plan_of(op, dtype, shape, (va, vb))
-            _PLANS[(op, a.lay, b.lay, self.tags, other.tags)] = (out.lay, tags, addr, nch, cost, tail)
-            return Tensor(out, tags)
+            tags, shape, va, vb = agew.aligned(op, self, other)
+            out, tags, node = agew.binary(op, self, other, tags, shape, va, vb)
+            if node is None:
+                addr, nch, cost, tail = ew.plan_of(op, out.dtype, shape, (va, vb))
+                _PLANS[(op, a.lay, b.lay, self.tags, other.tags)] = (out.lay, tags, addr, nch, cost, tail)
+            return Tensor._result(out, tags, node)
         if isinstance(other, numbers.Real) and not isinstance(other, bool):
-            dtype = ew.compute_dtype_of(op, (a.dtype,))
-            if dtype == "i64" and not isinstance(other, numbers.Integral):
+            if a.dtype == "i64" and not isinstance(other, numbers.Integral):
                 raise DTypeError(f"{op}: expected an integer scalar for an i64 tensor, got {other!r}")
-            operands = (other, a) if reflected else (a, other)
-            out = ew.run(a.ctx, op, dtype, a.shape, operands)
-            if type(other) in (float, int):
-                addr, nch, cost, tail = ew.plan_of(op, dtype, a.shape, operands)
-                _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (out.lay, self.tags, addr, nch, cost, tail)
-            return Tensor(out, self.tags)
+            out, tags, node = agew.with_scalar(op, self, other, reflected)
+            if node is None and type(other) in (float, int):
+                operands = (other, a) if reflected else (a, other)
+                addr, nch, cost, tail = ew.plan_of(op, out.dtype, a.shape, operands)
+                _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (out.lay, tags, addr, nch, cost, tail)
+            return Tensor._result(out, tags, node)
         raise TypeError(f"{op}: expected a Tensor or a real number as the other operand, "
                         f"got {type(other).__name__}")
 
@@ -206,6 +276,9 @@ class Tensor:
     def __rtruediv__(self, other):
         return self._binary("div", other, reflected=True)
 
+    def __rpow__(self, other):
+        return self._binary("pow", other, reflected=True)
+
     def __neg__(self):
         return self.neg()
 
@@ -230,9 +303,8 @@ class Tensor:
     def unary(self, op: str):
         if op not in UNARY:
             raise ValueError(f"unary: expected one of {UNARY}, got {op!r}")
-        a = self._live(op)
-        dtype = ew.compute_dtype_of(op, (a.dtype,))
-        return Tensor(ew.run(a.ctx, op, dtype, a.shape, (a,)), self.tags)
+        self._live(op)
+        return Tensor._result(*agew.unary(op, self))
 
     def exp(self):
         return self.unary("exp")
@@ -258,9 +330,9 @@ class Tensor:
     # ---- reductions (A-3) ----
     def _reduce(self, op: str, tag: str, mean: bool = False):
         name = "mean" if mean else op
-        a = self._live(name)
+        self._live(name)
         ax, tags = axes.reduced(self.tags, tag, name)
-        return Tensor(red.reduce_axis(a.ctx, op, a, ax, mean), tags)
+        return Tensor._result(*agred.reduce_axis(op, self, ax, tags, mean))
 
     def sum(self, tag: str):
         return self._reduce("sum", tag)
@@ -275,23 +347,30 @@ class Tensor:
         return self._reduce("min", tag)
 
     def sum_all(self):
-        a = self._live("sum_all")
-        return Tensor(red.reduce_all(a.ctx, "sum", a), ())
+        self._live("sum_all")
+        return Tensor._result(*agred.reduce_all("sum", self))
 
     def mean_all(self):
-        a = self._live("mean_all")
-        return Tensor(red.reduce_all(a.ctx, "sum", a, mean=True), ())
+        self._live("mean_all")
+        return Tensor._result(*agred.reduce_all("sum", self, mean=True))
 
     # ---- casts and views ----
     def to(self, dtype: str):
-        """A copy in `dtype` (f32 <-> f16/bf16 with R-9 rounding; same dtype copies)."""
-        a = self._live("to")
-        return Tensor(ew.cast(a.ctx, a, check_dtype(dtype, "to")), self.tags)
+        """A copy in `dtype` (f32 <-> f16/bf16 with R-9 rounding, differentiable; same dtype copies)."""
+        self._live("to")
+        return Tensor._result(*agew.cast(self, check_dtype(dtype, "to")))
 
     def narrow(self, tag: str, start: int, length: int):
         """A view of `length` entries of axis `tag` from `start` (shares storage)."""
         a = self._live("narrow")
-        return Tensor(a.narrow(axes.axis_of(self.tags, tag, "narrow"), start, length), self.tags)
+        ax = axes.axis_of(self.tags, tag, "narrow")
+        v = a.narrow(ax, start, length)
+
+        def grad_of(g):  # zeros with g written into the narrowed window
+            full = a.ctx.full_raw(a.shape, 0.0, "f32")
+            ew.run(a.ctx, "copy", "f32", v.shape, (g,), out=full.narrow(ax, start, length))
+            return full
+        return Tensor._result(*agew.view("narrow", self, v, self.tags, grad_of))
 
     def permute(self, tags):
         """A view with the axes reordered to `tags` (shares storage)."""
@@ -299,17 +378,18 @@ class Tensor:
         tags = axes.check_tags(tags, a.rank, "permute")
         if set(tags) != set(self.tags):
             raise axes.TagError(f"permute: expected a reordering of {self.tags}, got {tags}")
-        return Tensor(a.permute([self.tags.index(t) for t in tags]), tags)
+        perm = [self.tags.index(t) for t in tags]
+        inv = [tags.index(t) for t in self.tags]
+        return Tensor._result(*agew.view("permute", self, a.permute(perm), tags,
+                                         lambda g: g.permute(inv)))
 
     def contiguous(self):
         a = self._live("contiguous")
-        return Tensor(ew.materialize(a.ctx, a), self.tags)
+        return Tensor._result(*agew.view("contiguous", self, ew.materialize(a.ctx, a), self.tags,
+                                         lambda g: g))
 
 
 def _real(op: str, s) -> float:
     if isinstance(s, bool) or not isinstance(s, numbers.Real):
         raise TypeError(f"{op}: expected a real number, got {type(s).__name__}")
     return float(s)
-
-
-__all__ = ["Tensor", "DTypeError"]

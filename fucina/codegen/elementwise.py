@@ -56,6 +56,33 @@ def _sqrt(b, x):
     return u.intrinsic(b, "llvm.sqrt", x.type, [x])
 
 
+def _pick(b, g, idx, pos):
+    """g where idx == pos else 0: routes a reduction's gradient to the chosen element."""
+    return b.select(b.icmp_signed("==", idx, pos), g, u.const(g.type, 0.0))
+
+
+def _tie_grad(cmp):
+    """Gradient of maximum/minimum to the first operand: g if it wins, g/2 on an exact tie."""
+    def emit(b, g, x, y):
+        zero = u.const(g.type, 0.0)
+        half = b.fmul(g, u.const(g.type, 0.5))
+        return b.select(b.fcmp_ordered(cmp, x, y), g, b.select(b.fcmp_ordered("==", x, y), half, zero))
+    return emit
+
+
+def _pow_grad_base(b, g, x, e):
+    """g * e * x^(e-1)"""
+    return b.fmul(g, b.fmul(e, _pow(b, x, b.fsub(e, u.const(e.type, 1.0)))))
+
+
+def _pow_grad_exp(b, g, x, y):
+    """g * ln(x) * y, with 0 where x == 0 (torch's convention; the true limit for e >= 0)."""
+    from . import vmath
+
+    d = b.fmul(g, b.fmul(vmath.log(b, x), y))
+    return b.select(b.fcmp_ordered("==", x, u.const(x.type, 0.0)), u.const(x.type, 0.0), d)
+
+
 FLOAT_OPS = {
     "copy": (1, lambda b, x: x),
     "neg": (1, lambda b, x: b.fneg(x)),
@@ -72,6 +99,18 @@ FLOAT_OPS = {
     "maximum": (2, _nan_max),
     "minimum": (2, _nan_min),
     "pow": (2, _pow),
+    # backward rules (g first): y is the forward output, x the input
+    "relu_grad": (2, lambda b, g, x: b.select(b.fcmp_ordered(">", x, u.const(x.type, 0.0)), g,
+                                              u.const(g.type, 0.0))),
+    "tanh_grad": (2, lambda b, g, y: b.fmul(g, b.fsub(u.const(y.type, 1.0), b.fmul(y, y)))),
+    "sigmoid_grad": (2, lambda b, g, y: b.fmul(g, b.fmul(y, b.fsub(u.const(y.type, 1.0), y)))),
+    "sqrt_grad": (2, lambda b, g, y: b.fmul(g, b.fdiv(u.const(y.type, 0.5), y))),
+    "div_grad_b": (3, lambda b, g, x, y: b.fneg(b.fdiv(b.fmul(g, x), b.fmul(y, y)))),
+    "maximum_grad": (3, _tie_grad(">")),
+    "minimum_grad": (3, _tie_grad("<")),
+    "pow_grad_base": (3, _pow_grad_base),
+    "pow_grad_exp": (3, _pow_grad_exp),
+    "pick": (3, _pick),
 }
 
 INT_OPS = {
@@ -102,6 +141,7 @@ class ElementwiseKey(KernelKey):
     out_dtype: str
     rank: int          # coalesced rank of the output
     roles: tuple       # per input: "unit" | "zero" | "strided" | "param"
+    out_role: str = "linear"  # "linear" (a fresh contiguous result) | "unit" | "strided" (a view)
 
     def ir(self, symbol: str) -> str:
         return str(_build(self, symbol))
@@ -128,19 +168,23 @@ def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
     chunk = u.arg(b, args, k + 2)
     shape = [u.arg(b, args, k + 3 + d) for d in range(r)]
     tensors = [j for j, role in enumerate(key.roles) if role != "param"]
+    if key.out_role != "linear":
+        tensors.append(-1)  # the output is a strided view: its strides come last
     strides = {j: [u.arg(b, args, k + 3 + r + t * r + d) for d in range(r)]
                for t, j in enumerate(tensors)}
 
     e0 = b.mul(c0, chunk)
     e1 = u.smin(b, b.mul(c1, chunk), n)
-    scalar_only = "strided" in key.roles
+    scalar_only = "strided" in key.roles or key.out_role == "strided"
 
     def inner(e, offs, length):
         """out[e : e+length] = op(inputs at offs ...), along the innermost axis."""
         bases = {}
         for j in tensors:
-            bases[j] = b.gep(ins[j], [offs[j]], source_etype=u.STORAGE[key.in_dtypes[j]])
-        obase = b.gep(out, [e], source_etype=u.STORAGE[key.out_dtype])
+            if j >= 0:
+                bases[j] = b.gep(ins[j], [offs[j]], source_etype=u.STORAGE[key.in_dtypes[j]])
+        obase = b.gep(out, [offs[-1] if key.out_role != "linear" else e],
+                      source_etype=u.STORAGE[key.out_dtype])
 
         def operands(i, width, mask=None):
             vals = []
@@ -158,7 +202,8 @@ def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
 
         if scalar_only:
             with u.Loop(b, u.i64(0), length, 1, "s") as i:
-                u.store(b, fn(b, *operands(i, None)), obase, i, key.out_dtype)
+                o = b.mul(i, strides[-1][r - 1]) if key.out_role == "strided" else i
+                u.store(b, fn(b, *operands(i, None)), obase, o, key.out_dtype)
             return
         full = b.sub(length, b.srem(length, u.i64(lanes)))
         with u.Loop(b, u.i64(0), full, lanes, "v") as i:

@@ -135,3 +135,49 @@ def _build(key: ReduceKey, symbol: str) -> ir.Module:
                     u.store(b, finish(u.load(b, obase, full, "f32", W, mask)), obase, full, "f32", mask)
     b.ret_void()
     return mod
+
+
+@register
+@dataclass(frozen=True)
+class ArgKey(KernelKey):
+    """First index of the maximum (or minimum) along N of [A, N, B]: strict comparisons, so
+    ties keep the earliest; a NaN beats every number and the first NaN wins. i64 result [A, B].
+
+    Work item q = (a, block of W columns); each lane scans its column serially over n."""
+
+    family = "argext"
+    op: str        # max | min
+    in_dtype: str
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_arg(self, symbol))
+
+
+def _build_arg(key: ArgKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = host().f32_lanes
+    vt, it = ir.VectorType(u.F32, W), ir.VectorType(u.I64, W)
+    x, out = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+    A, N, B, per = (u.arg(b, args, i) for i in range(2, 6))
+    nblk = b.sdiv(b.add(B, u.i64(W - 1)), u.i64(W))
+    q0 = b.mul(c0, per)
+    q1 = u.smin(b, b.mul(c1, per), b.mul(A, nblk))
+    best_p, idx_p = u.entry_alloca(b, vt), u.entry_alloca(b, it)
+    with u.Loop(b, q0, q1, 1, "q") as q:
+        a = b.sdiv(q, nblk)
+        b0 = b.mul(b.srem(q, nblk), u.i64(W))
+        mask = u.tail_mask(b, u.smin(b, u.i64(W), b.sub(B, b0)), W)
+        base = b.add(b.mul(a, b.mul(N, B)), b0)
+        b.store(u.load(b, x, base, key.in_dtype, W, mask), best_p)
+        b.store(u.const(it, 0), idx_p)
+        with u.Loop(b, u.i64(1), N, 1, "n") as n:
+            v = u.load(b, x, b.add(base, b.mul(n, B)), key.in_dtype, W, mask)
+            best = b.load(best_p)
+            beats = b.fcmp_ordered(">" if key.op == "max" else "<", v, best)
+            nan_first = b.and_(b.fcmp_unordered("uno", v, v), b.fcmp_ordered("ord", best, best))
+            take = b.or_(beats, nan_first)
+            b.store(b.select(take, v, best), best_p)
+            b.store(b.select(take, u.splat(b, n, W), b.load(idx_p)), idx_p)
+        u.store(b, b.load(idx_p), out, b.add(b.mul(a, B), b0), "i64", mask)
+    b.ret_void()
+    return mod

@@ -31,12 +31,16 @@ class Context:
         self.pool = _rt.Pool()
         self._team = None
         self.closed = False
+        self.scopes: list[ExecScope] = []  # open exec scopes, innermost last
+        self._adopted: list = []           # release callbacks of values the open scopes own
 
     # ---- lifetime ----
     def close(self) -> None:
         """Stop the team, drop the cache, report buffers still alive (a leak in the reference)."""
         if self.closed:
             return
+        while self.scopes:  # defensive: still-open scopes are released newest first
+            self.close_exec_scope(self.scopes[-1])
         self.closed = True
         if self._team is not None:
             self._team.close()
@@ -63,6 +67,42 @@ class Context:
         if other is not self:
             raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
 
+    # ---- exec scopes (SPEC R-5) ----
+    def open_exec_scope(self) -> "ExecScope":
+        """From now until the matching close, op results are borrows owned by this scope."""
+        self.check_open("open_exec_scope")
+        scope = ExecScope(self, len(self._adopted))
+        self.scopes.append(scope)
+        return scope
+
+    def close_exec_scope(self, scope: "ExecScope") -> None:
+        """Release everything adopted since `scope` opened, newest first. Innermost first only."""
+        if not self.scopes or self.scopes[-1] is not scope:
+            raise AssertionError("close_exec_scope: expected the innermost open scope; scopes close "
+                                 "in reverse order of opening")
+        self.scopes.pop()
+        owned = self._adopted[scope.mark:]
+        del self._adopted[scope.mark:]
+        for release in reversed(owned):
+            release()
+
+    def exec_scope(self):
+        """`with ctx.exec_scope(): ...` — open on enter, close on exit (also on error)."""
+        return _ScopeGuard(self)
+
+    def exec_scope_active(self) -> bool:
+        return bool(self.scopes)
+
+    def adopt(self, value) -> None:
+        """Hand `value` (anything with _scope_release()) to the innermost open scope."""
+        self._adopted.append(value._scope_release)
+
+    def adopt_scope_value(self, release) -> None:
+        """Low-level: the innermost scope calls `release()` when it closes (type-erased)."""
+        if not self.scopes:
+            raise AssertionError("adopt_scope_value: no exec scope is open")
+        self._adopted.append(release)
+
     # ---- memory ----
     def empty(self, shape, dtype: str = "f32") -> RawTensor:
         """An uninitialised contiguous tensor from the pool (caller-owned)."""
@@ -74,6 +114,15 @@ class Context:
     def alloc(self, lay) -> RawTensor:
         """A new tensor of a contiguous layout (the hot path: no validation)."""
         return RawTensor(self.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, self)
+
+    def full_raw(self, shape, value, dtype: str = "f32") -> RawTensor:
+        """A new tensor filled with `value` by the generated copy kernel (a broadcast scalar)."""
+        from . import elementwise as ew
+
+        shape = tuple(shape)
+        out = self.empty(shape, dtype)
+        one = self.from_numpy([value], (1,) * len(shape), dtype, "full")
+        return ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),), out=out)
 
     def from_numpy(self, data, shape=None, dtype: str = "f32", op: str = "from_slice") -> RawTensor:
         """Copy array-like data into a new pooled tensor (the numpy I/O bridge)."""
@@ -104,6 +153,28 @@ class Context:
         if n_chunks > 1 and cost >= INLINE_THRESHOLD and self.threads > 1:
             return self._team or self.team()
         return None
+
+
+class ExecScope:
+    """A mark in the context's adoption list (SPEC R-5)."""
+
+    __slots__ = ("ctx", "mark")
+
+    def __init__(self, ctx, mark):
+        self.ctx, self.mark = ctx, mark
+
+
+class _ScopeGuard:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __enter__(self):
+        self.scope = self.ctx.open_exec_scope()
+        return self.scope
+
+    def __exit__(self, *exc):
+        self.ctx.close_exec_scope(self.scope)
+        return False
 
 
 INLINE_THRESHOLD = _rt.get_inline_threshold()

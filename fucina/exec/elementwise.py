@@ -42,14 +42,19 @@ def _role(stride: int) -> str:
     return "unit" if stride == 1 else "zero" if stride == 0 else "strided"
 
 
-def _plan(op, out_dtype, shape, ins, params):
-    """ins: tuple of (dtype, strides); params: tuple of param dtypes at their input positions."""
-    pk = (op, out_dtype, shape, ins, params)
+def _plan(op, out_dtype, shape, ins, params, out_strides=None):
+    """ins: tuple of (dtype, strides); params: tuple of param dtypes at their input positions;
+    out_strides: None for a fresh contiguous result, else the strides of the output view."""
+    pk = (op, out_dtype, shape, ins, params, out_strides)
     plan = _plans.get(pk)
     if plan is not None:
         return plan
     tensor_pos = [i for i, x in enumerate(ins) if x is not None]
-    cshape, cstrides = coalesce(shape, [ins[i][1] for i in tensor_pos])
+    walk = [ins[i][1] for i in tensor_pos] + ([out_strides] if out_strides is not None else [])
+    cshape, cstrides = coalesce(shape, walk)
+    out_role = "linear"
+    if out_strides is not None:
+        out_role = "unit" if cstrides[-1][-1] == 1 else "strided"
     roles, dtypes = [], []
     it = iter(cstrides)
     for i, x in enumerate(ins):
@@ -60,7 +65,7 @@ def _plan(op, out_dtype, shape, ins, params):
             st = next(it)
             roles.append(_role(st[-1]))
             dtypes.append(x[0])
-    key = ElementwiseKey(op, tuple(dtypes), out_dtype, len(cshape), tuple(roles))
+    key = ElementwiseKey(op, tuple(dtypes), out_dtype, len(cshape), tuple(roles), out_role)
     n = numel(shape)
     cost = n * (ITEMSIZE[out_dtype] + sum(ITEMSIZE[x[0]] for x in ins if x is not None))
     tail = (n, CHUNK) + cshape + tuple(s for st in cstrides for s in st)
@@ -93,9 +98,15 @@ def run(ctx, op: str, out_dtype: str, shape, operands, out: RawTensor | None = N
     """out[shape] = op(*operands); each operand a RawTensor already viewed at `shape`
     (zero strides where it broadcasts) or a Python scalar (a by-value parameter)."""
     ins, params, ptrs = _describe(operands, out_dtype)
-    addr, n_chunks, cost, tail = _plan(op, out_dtype, tuple(shape), ins, params)
     if out is None:
+        addr, n_chunks, cost, tail = _plan(op, out_dtype, tuple(shape), ins, params)
         out = ctx.empty(shape, out_dtype)
+    else:
+        if out.shape != tuple(shape) or out.dtype != out_dtype:
+            raise ShapeMismatch(f"{op}: expected out of shape {tuple(shape)} {out_dtype}, "
+                                f"got {out.shape} {out.dtype}")
+        ostr = None if out.is_contiguous() else out.strides
+        addr, n_chunks, cost, tail = _plan(op, out_dtype, tuple(shape), ins, params, ostr)
     ctx.launch(addr, n_chunks, cost, out.addr, *ptrs, *tail)
     return out
 

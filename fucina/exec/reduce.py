@@ -7,10 +7,12 @@ length depends on N alone; the partials are reduced by a second launch of the sa
 from __future__ import annotations
 
 from ..codegen import kernels
-from ..codegen.reduce import BLOCK, ReduceKey
+from ..codegen.reduce import BLOCK, ArgKey, ReduceKey
+from ..codegen.target import host
 from ..errors import DTypeError
 from .elementwise import f32_bits, materialize
-from .raw import RawTensor, numel
+from .dtypes import ITEMSIZE
+from .raw import RawTensor, contiguous_strides, numel
 
 SEGMENT = 1 << 14      # elements per segment when a long axis is split
 SPLIT_AT = 1 << 16     # axes at least this long are split
@@ -47,14 +49,12 @@ def reduce_axis(ctx, op: str, x: RawTensor, axis: int, mean: bool = False) -> Ra
     out_shape = x.shape[:axis] + x.shape[axis + 1:]
     post = "div" if mean else "none"
     C = _segment(N) if A * B < 64 else N
-    from .dtypes import ITEMSIZE
-
     part = _launch(ctx, op, x.dtype, post if C == N else "none", x.addr, A, N, B, C, float(N),
                    ITEMSIZE[x.dtype])
     if C != N:
         S = part.shape[1]
         part = _launch(ctx, op, "f32", post, part.addr, A, S, B, S, float(N), 4)
-    return part.view(out_shape, _contig(out_shape), 0)
+    return part.view(out_shape, contiguous_strides(out_shape), 0)
 
 
 def reduce_all(ctx, op: str, x: RawTensor, mean: bool = False) -> RawTensor:
@@ -64,7 +64,15 @@ def reduce_all(ctx, op: str, x: RawTensor, mean: bool = False) -> RawTensor:
     return reduce_axis(ctx, op, flat, 0, mean)
 
 
-def _contig(shape):
-    from .raw import contiguous_strides
-
-    return contiguous_strides(shape)
+def arg_extreme(ctx, op: str, x: RawTensor, axis: int) -> RawTensor:
+    """i64 index along `axis` of the first max (op="max") or min; NaN counts as the extreme."""
+    x = materialize(ctx, x)
+    A, N, B = numel(x.shape[:axis]), x.shape[axis], numel(x.shape[axis + 1:])
+    out_shape = x.shape[:axis] + x.shape[axis + 1:]
+    out = ctx.empty(out_shape, "i64")
+    W = host().f32_lanes
+    items = A * -(-B // W)
+    per = max(1, WORK_PER_CHUNK // (N * min(B, W)))
+    ctx.launch(kernels.get(ArgKey(op, x.dtype)), -(-items // per), A * N * B * 4,
+               x.addr, out.addr, A, N, B, per)
+    return out

@@ -1,0 +1,196 @@
+"""The autograd engine (SPEC §3.19): grad nodes, grad mode, one finish_op tail, backward.
+
+A node holds its parents (one slot per differentiable operand; None for constants) and a
+closure computing the operands' gradients from the output's. backward() counts, for every node
+reachable from the loss, how many consumers will send it a gradient, and runs a node's VJP only
+when all of them have arrived — in a FIFO order fixed by the graph's shape, so gradient sums
+are accumulated in the same order every run.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from ..errors import (BackwardAlreadyRun, GraphNodeReleased, MissingOutputGradient, UnsupportedGradient,
+                      NoGradientGraph, ShapeMismatch)
+from ..exec import elementwise as ew
+
+_mode = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_mode, "disabled", 0) == 0
+
+
+class no_grad:
+    """`with fu.no_grad():` — ops inside record no graph. Nests; thread-local."""
+
+    def __enter__(self):
+        _mode.disabled = getattr(_mode, "disabled", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _mode.disabled -= 1
+        return False
+
+
+class Node:
+    """An op's record: parents, the VJP closure, and the bookkeeping of one backward pass."""
+
+    __slots__ = ("parents", "vjp", "name", "pending", "consumed", "released")
+
+    def __init__(self, name, parents, vjp):
+        self.name, self.parents, self.vjp = name, parents, vjp
+        self.pending = 0
+        self.consumed = False
+        self.released = False
+
+    def release(self):
+        """The output tensor was released before backward: drop what the VJP saved."""
+        self.released = True
+        self.vjp = None
+
+
+class Leaf(Node):
+    """A variable's node: gradients accumulate here across backward calls (always f32)."""
+
+    __slots__ = ("grad", "shape")
+
+    def __init__(self, shape):
+        super().__init__("leaf", (), None)
+        self.grad = None
+        self.shape = shape
+
+    def release(self):  # a parameter's accumulator outlives its tensor handle
+        pass
+
+
+def needs_graph(*operands) -> bool:
+    """A record is attached iff grad mode is on and at least one operand requires grad."""
+    if not is_grad_enabled():
+        return False
+    return any(getattr(t, "_node", None) is not None for t in operands)
+
+
+def add_into(ctx, acc, g):
+    """acc + g as a new f32 tensor (gradient accumulation)."""
+    return ew.run(ctx, "add", "f32", acc.shape, (acc, g))
+
+
+def backward(root, seed) -> None:
+    """Run every VJP reachable from `root` (a Node) with gradient `seed` (a RawTensor)."""
+    order = _collect(root)
+    for n in order:
+        if n.released:
+            raise GraphNodeReleased(
+                f"backward: the output of {n.name!r} was released before backward; "
+                f"expected every tensor between parameters and loss to stay alive (or an exec scope)")
+        if n.consumed:
+            raise BackwardAlreadyRun(
+                f"backward: the graph through {n.name!r} was already back-propagated; "
+                f"expected a fresh forward pass")
+    ctx = seed.ctx
+    grads = {root: seed}
+    ready = deque([root])
+    while ready:
+        node = ready.popleft()
+        g = grads.pop(node)
+        if isinstance(node, Leaf):
+            g = ew.materialize(ctx, g) if g.dtype == "f32" else ew.cast(ctx, g, "f32")
+            node.grad = g if node.grad is None else add_into(ctx, node.grad, g)
+            continue
+        outs = node.vjp(g)
+        node.consumed = True
+        node.vjp = None  # saved tensors go back to the pool now
+        for parent, gp in zip(node.parents, outs):
+            if parent is None:
+                continue
+            if gp is not None:
+                prev = grads.get(parent)
+                grads[parent] = gp if prev is None else add_into(ctx, prev, gp)
+            parent.pending -= 1
+            if parent.pending == 0:
+                if parent in grads:
+                    ready.append(parent)
+                elif not isinstance(parent, Leaf):  # nothing flowed in: its subtree gets nothing
+                    _drain(parent, ready, grads)
+
+
+def _drain(node, ready, grads):
+    """A node that received no gradient (all contributions were None) still releases its
+    parents' pending counts, so nodes further up that do get gradients still run."""
+    node.consumed = True
+    node.vjp = None
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for p in n.parents:
+            if p is None:
+                continue
+            p.pending -= 1
+            if p.pending == 0:
+                if p in grads:
+                    ready.append(p)
+                elif not isinstance(p, Leaf):
+                    p.consumed = True
+                    p.vjp = None
+                    stack.append(p)
+
+
+def _collect(root) -> list:
+    """Every node reachable from root, with `pending` = number of reachable consumers."""
+    seen = {root}
+    order = [root]
+    stack = [root]
+    root.pending = 0
+    while stack:
+        n = stack.pop()
+        for p in n.parents:
+            if p is None:
+                continue
+            if p not in seen:
+                seen.add(p)
+                p.pending = 0
+                order.append(p)
+                stack.append(p)
+            p.pending += 1
+    return order
+
+
+def seed_for(t, grad) -> object:
+    """The seed gradient for t.backward(grad=...): ones for a scalar, else the given tensor."""
+    raw = t._raw
+    if grad is None:
+        if raw.numel != 1:
+            raise MissingOutputGradient(
+                f"backward: expected a scalar loss (1 element) or grad=..., got shape {raw.shape}")
+        return raw.ctx.full_raw(raw.shape, 1.0, "f32")
+    g = grad._live("backward")
+    if grad.tags != t.tags or g.shape != raw.shape:
+        raise ShapeMismatch(f"backward: expected grad with tags {t.tags} shape {raw.shape}, "
+                            f"got tags {grad.tags} shape {g.shape}")
+    if g.dtype != "f32":
+        return ew.cast(raw.ctx, g, "f32")
+    return g
+
+
+def no_graph(op: str):
+    return NoGradientGraph(f"{op}: the tensor has no gradient graph; expected a result of ops on variables")
+
+
+def finish_op(name: str, out, tags, operands, make_vjp, dtypes_ok: bool = False):
+    """The tail every differentiable op ends in: (result raw, tags, node or None).
+
+    make_vjp(needs) builds the closure g -> per-operand gradients, computing only those in
+    `needs` (needs_grad pruning). Gradients flow only through f32 ops (casts excepted)."""
+    if make_vjp is None or not needs_graph(*operands):
+        return out, tags, None
+    parents = tuple(getattr(t, "_node", None) for t in operands)
+    if not dtypes_ok:
+        for t, p in zip(operands, parents):
+            if p is not None and t._raw.dtype != "f32":
+                raise UnsupportedGradient(
+                    f"{name}: gradients flow only through f32 ops; operand is a {t._raw.dtype} "
+                    f"variable (cast it with .to('f32') first)")
+    needs = tuple(p is not None for p in parents)
+    return out, tags, Node(name, parents, make_vjp(needs))
