@@ -2,6 +2,8 @@
 layer, then one finish_op tail that records the VJP when an operand requires grad."""
 from __future__ import annotations
 
+import functools
+
 from .. import axes
 from ..exec import elementwise as ew
 from ..exec import reduce as red
@@ -28,35 +30,35 @@ def unbroadcast(ctx, g, out_tags, in_tags, in_shape):
 def binary(op: str, x, y, tags, shape, vx, vy):
     """x op y for two tensors already aligned (vx, vy: views at the result shape)."""
     ctx = vx.ctx
-    (xt, xs), (yt, ys) = (x.tags, x._raw.shape), (y.tags, y._raw.shape)
     dtype = ew.compute_dtype_of(op, (vx.dtype, vy.dtype))
     out = ew.run(ctx, op, dtype, shape, (vx, vy))
+    saved = (op, ctx, tags, shape, vx, vy, out, x.tags, x._raw.shape, y.tags, y._raw.shape)
+    return finish_op(op, out, tags, (x, y), lambda needs: functools.partial(binary_grads, saved, needs))
 
-    def vjp(needs):
-        def run(g):
-            ga = gb = None
-            if op == "add":
-                ga, gb = g, g
-            elif op == "sub":
-                ga, gb = g, (ew.run(ctx, "neg", "f32", shape, (g,)) if needs[1] else None)
-            elif op == "mul":
-                ga = ew.run(ctx, "mul", "f32", shape, (g, vy)) if needs[0] else None
-                gb = ew.run(ctx, "mul", "f32", shape, (g, vx)) if needs[1] else None
-            elif op == "div":
-                ga = ew.run(ctx, "div", "f32", shape, (g, vy)) if needs[0] else None
-                gb = ew.run(ctx, "div_grad_b", "f32", shape, (g, vx, vy)) if needs[1] else None
-            elif op in ("maximum", "minimum"):
-                k = op + "_grad"
-                ga = ew.run(ctx, k, "f32", shape, (g, vx, vy)) if needs[0] else None
-                gb = ew.run(ctx, k, "f32", shape, (g, vy, vx)) if needs[1] else None
-            elif op == "pow":
-                ga = ew.run(ctx, "pow_grad_base", "f32", shape, (g, vx, vy)) if needs[0] else None
-                gb = ew.run(ctx, "pow_grad_exp", "f32", shape, (g, vx, out)) if needs[1] else None
-            return (unbroadcast(ctx, ga, tags, xt, xs) if needs[0] else None,
-                    unbroadcast(ctx, gb, tags, yt, ys) if needs[1] else None)
-        return run
 
-    return finish_op(op, out, tags, (x, y), vjp)
+def binary_grads(saved, needs, g):
+    """The VJP of every pointwise binary op; `saved` is what the forward kept."""
+    op, ctx, tags, shape, vx, vy, out, xt, xs, yt, ys = saved
+    ga = gb = None
+    if op == "add":
+        ga, gb = g, g
+    elif op == "sub":
+        ga, gb = g, (ew.run(ctx, "neg", "f32", shape, (g,)) if needs[1] else None)
+    elif op == "mul":
+        ga = ew.run(ctx, "mul", "f32", shape, (g, vy)) if needs[0] else None
+        gb = ew.run(ctx, "mul", "f32", shape, (g, vx)) if needs[1] else None
+    elif op == "div":
+        ga = ew.run(ctx, "div", "f32", shape, (g, vy)) if needs[0] else None
+        gb = ew.run(ctx, "div_grad_b", "f32", shape, (g, vx, vy)) if needs[1] else None
+    elif op in ("maximum", "minimum"):
+        k = op + "_grad"
+        ga = ew.run(ctx, k, "f32", shape, (g, vx, vy)) if needs[0] else None
+        gb = ew.run(ctx, k, "f32", shape, (g, vy, vx)) if needs[1] else None
+    elif op == "pow":
+        ga = ew.run(ctx, "pow_grad_base", "f32", shape, (g, vx, vy)) if needs[0] else None
+        gb = ew.run(ctx, "pow_grad_exp", "f32", shape, (g, vx, out)) if needs[1] else None
+    return (unbroadcast(ctx, ga, tags, xt, xs) if needs[0] else None,
+            unbroadcast(ctx, gb, tags, yt, ys) if needs[1] else None)
 
 
 def with_scalar(op: str, x, s: float, reflected: bool):

@@ -22,7 +22,9 @@ from . import elementwise as agew
 from . import engine
 from . import reduce as agred
 
-_PLANS: dict = {}  # (op, layout, other layout | reflected, tags, other tags | scalar type) -> plan
+# (op, layout, other layout | reflected, tags, other tags | scalar type) ->
+# (out layout, out tags, kernel, chunks, cost, argument tail, aligned layout of each operand or None)
+_PLANS: dict = {}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -185,32 +187,51 @@ class Tensor:
 
     # ---- pointwise binary (A-2 broadcasting by name) ----
     def _binary(self, op: str, other, reflected: bool = False):
-        """The per-op fast path: no graph, no scope, a remembered plan for these interned layouts
-        and tags, then alloc + launch. Everything that can fail was checked when the plan was made."""
+        """The per-op fast path: a remembered plan for these interned layouts and tags, then
+        alloc + launch (+ a node when an operand requires grad, + adoption under a scope).
+        Everything that can fail was checked when the plan was made (in _binary_slow)."""
         a = self._raw
-        if a is not None and self._node is None:
-            ctx = a.ctx
-            if type(other) is Tensor:
-                b = other._raw
-                p = _PLANS.get((op, a.lay, None if b is None else b.lay, self.tags, other.tags))
-                if (p is not None and other._node is None and b.ctx is ctx and not ctx.closed
-                        and not ctx.scopes):
-                    lay, tags, addr, nch, cost, tail = p
-                    out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
-                    _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
-                               out.addr, a.addr, b.addr, *tail)
-                    return Tensor(out, tags)
-            elif type(other) is float or type(other) is int:
-                p = _PLANS.get((op, a.lay, reflected, self.tags, type(other)))
-                if p is not None and not ctx.closed and not ctx.scopes:
-                    lay, tags, addr, nch, cost, tail = p
-                    bits = _bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
-                    out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
-                    x, y = (bits, a.addr) if reflected else (a.addr, bits)
-                    _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
-                               out.addr, x, y, *tail)
-                    return Tensor(out, tags)
-        return self._binary_slow(op, other, reflected)
+        if a is None:
+            return self._binary_slow(op, other, reflected)
+        ctx = a.ctx
+        if type(other) is Tensor:
+            b = other._raw
+            p = _PLANS.get((op, a.lay, None if b is None else b.lay, self.tags, other.tags))
+            if p is None or b.ctx is not ctx or ctx.closed:
+                return self._binary_slow(op, other, reflected)
+            lay, tags, addr, nch, cost, tail, la, lb = p
+            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
+                       out.addr, a.addr, b.addr, *tail)
+            na, nb = self._node, other._node
+            node = None
+            if (na is not None or nb is not None) and engine.is_grad_enabled():
+                if lay.dtype != "f32":
+                    return self._binary_slow(op, other, reflected)
+                va = a if la is None else RawTensor(a.buf, la, a.offset, ctx)
+                vb = b if lb is None else RawTensor(b.buf, lb, b.offset, ctx)
+                saved = (op, ctx, tags, lay.shape, va, vb, out, self.tags, a.lay.shape,
+                         other.tags, b.lay.shape)
+                node = engine.Node(op, (na, nb), functools.partial(
+                    agew.binary_grads, saved, (na is not None, nb is not None)))
+        elif type(other) is float or type(other) is int:
+            p = _PLANS.get((op, a.lay, reflected, self.tags, type(other)))
+            if p is None or ctx.closed or (self._node is not None and engine.is_grad_enabled()):
+                return self._binary_slow(op, other, reflected)
+            lay, tags, addr, nch, cost, tail, _, _ = p
+            bits = _bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
+            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            x, y = (bits, a.addr) if reflected else (a.addr, bits)
+            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
+                       out.addr, x, y, *tail)
+            node = None
+        else:
+            return self._binary_slow(op, other, reflected)
+        t = Tensor(out, tags, node)
+        if ctx.scopes and (node is not None or lay.dtype == "f32"):
+            t._scope = ctx.scopes[-1]
+            ctx.adopt(t)
+        return t
 
     def _binary_slow(self, op: str, other, reflected: bool):
         """Validate, run (recording a node if needed), and remember the plan for the fast path."""
@@ -221,18 +242,20 @@ class Tensor:
                 raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
             tags, shape, va, vb = agew.aligned(op, self, other)
             out, tags, node = agew.binary(op, self, other, tags, shape, va, vb)
-            if node is None:
-                addr, nch, cost, tail = ew.plan_of(op, out.dtype, shape, (va, vb))
-                _PLANS[(op, a.lay, b.lay, self.tags, other.tags)] = (out.lay, tags, addr, nch, cost, tail)
+            addr, nch, cost, tail = ew.plan_of(op, out.dtype, shape, (va, vb))
+            _PLANS[(op, a.lay, b.lay, self.tags, other.tags)] = (
+                out.lay, tags, addr, nch, cost, tail, None if va is a else va.lay,
+                None if vb is b else vb.lay)
             return Tensor._result(out, tags, node)
         if isinstance(other, numbers.Real) and not isinstance(other, bool):
             if a.dtype == "i64" and not isinstance(other, numbers.Integral):
                 raise DTypeError(f"{op}: expected an integer scalar for an i64 tensor, got {other!r}")
             out, tags, node = agew.with_scalar(op, self, other, reflected)
-            if node is None and type(other) in (float, int):
+            if type(other) in (float, int):
                 operands = (other, a) if reflected else (a, other)
                 addr, nch, cost, tail = ew.plan_of(op, out.dtype, a.shape, operands)
-                _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (out.lay, tags, addr, nch, cost, tail)
+                _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (
+                    out.lay, tags, addr, nch, cost, tail, None, None)
             return Tensor._result(out, tags, node)
         raise TypeError(f"{op}: expected a Tensor or a real number as the other operand, "
                         f"got {type(other).__name__}")

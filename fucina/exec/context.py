@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ContextClosed, ContextMismatch, InvalidDataLength, InvalidShape
 from ..runtime import _rt
 from .dtypes import check, to_storage
-from .raw import MAX_RANK, RawTensor, contiguous_strides, layout, numel
+from .raw import MAX_RANK, RawTensor, contiguous_layout, numel
 
 
 def _debug() -> bool:
@@ -33,6 +33,7 @@ class Context:
         self.closed = False
         self.scopes: list[ExecScope] = []  # open exec scopes, innermost last
         self._adopted: list = []           # release callbacks of values the open scopes own
+        self._constants: dict = {}         # (dtype, value) -> 1-element source of full_raw
 
     # ---- lifetime ----
     def close(self) -> None:
@@ -45,6 +46,7 @@ class Context:
         if self._team is not None:
             self._team.close()
             self._team = None
+        self._constants.clear()
         leaked = self.pool.close()
         if leaked:
             msg = f"ExecContext.close: {leaked} pooled buffers still referenced (leaked {leaked} pooled buffers)"
@@ -105,24 +107,23 @@ class Context:
 
     # ---- memory ----
     def empty(self, shape, dtype: str = "f32") -> RawTensor:
-        """An uninitialised contiguous tensor from the pool (caller-owned)."""
-        self.check_open("empty")
-        shape = validate_shape(shape, "empty")
-        lay = layout(dtype, shape, contiguous_strides(shape))
+        """An uninitialised contiguous tensor from the pool. Internal: shapes reaching here were
+        validated by the op (public constructors call validate_shape first)."""
+        if self.closed:
+            self.check_open("empty")
+        lay = contiguous_layout(dtype, shape)
         return RawTensor(self.pool.alloc(lay.nbytes, dtype == "f32"), lay, 0, self)
-
-    def alloc(self, lay) -> RawTensor:
-        """A new tensor of a contiguous layout (the hot path: no validation)."""
-        return RawTensor(self.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, self)
 
     def full_raw(self, shape, value, dtype: str = "f32") -> RawTensor:
         """A new tensor filled with `value` by the generated copy kernel (a broadcast scalar)."""
         from . import elementwise as ew
 
         shape = tuple(shape)
-        out = self.empty(shape, dtype)
-        one = self.from_numpy([value], (1,) * len(shape), dtype, "full")
-        return ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),), out=out)
+        key = (dtype, float(value))
+        one = self._constants.get(key)
+        if one is None:  # a 1-element source per value, read through zero strides
+            one = self._constants[key] = self.from_numpy([value], (1,), dtype, "full")
+        return ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),))
 
     def from_numpy(self, data, shape=None, dtype: str = "f32", op: str = "from_slice") -> RawTensor:
         """Copy array-like data into a new pooled tensor (the numpy I/O bridge)."""
@@ -134,7 +135,7 @@ class Context:
         if arr.size != numel(shape):
             raise InvalidDataLength(
                 f"{op}: expected {numel(shape)} values for shape {shape}, got {arr.size}")
-        t = self.empty(shape, dtype)
+        t = self.empty(validate_shape(shape, op), dtype)
         np.frombuffer(t.buf, dtype=arr.dtype, count=arr.size)[:] = arr.reshape(-1)
         return t
 

@@ -66,6 +66,20 @@ def layout(dtype: str, shape: tuple, strides: tuple) -> Layout:
     return lay
 
 
+_contiguous: dict = {}
+
+
+def contiguous_layout(dtype: str, shape) -> Layout:
+    """The row-major layout of `shape` (memoised: this is on every op's path)."""
+    if type(shape) is not tuple:
+        shape = tuple(shape)
+    k = (dtype, shape)
+    lay = _contiguous.get(k)
+    if lay is None:
+        lay = _contiguous[k] = layout(dtype, shape, contiguous_strides(shape))
+    return lay
+
+
 class RawTensor:
     """A view of a runtime Buffer; the buffer returns to the pool when the last view dies."""
 

@@ -10,7 +10,7 @@ from ..codegen import kernels
 from ..codegen.reduce import BLOCK, ArgKey, ReduceKey
 from ..codegen.target import host
 from ..errors import DTypeError
-from .elementwise import f32_bits, materialize
+from .elementwise import f32_bits, materialize, run
 from .dtypes import ITEMSIZE
 from .raw import RawTensor, contiguous_strides, numel
 
@@ -59,6 +59,8 @@ def reduce_axis(ctx, op: str, x: RawTensor, axis: int, mean: bool = False) -> Ra
 
 def reduce_all(ctx, op: str, x: RawTensor, mean: bool = False) -> RawTensor:
     """Reduce every element to a scalar (shape ())."""
+    if x.numel == 1:  # one element: the sum is itself and the mean x/1 is exact
+        return run(ctx, "copy", "f32", (), (x.view((), ()),))
     x = materialize(ctx, x)
     flat = x.view((numel(x.shape),), (1,))
     return reduce_axis(ctx, op, flat, 0, mean)
