@@ -19,6 +19,7 @@ from ..exec.dtypes import check as check_dtype
 from ..exec.raw import RawTensor
 from ..runtime import _rt
 from . import elementwise as agew
+from . import matmul as agmm
 from . import engine
 from . import reduce as agred
 
@@ -377,6 +378,35 @@ class Tensor:
         self._live("mean_all")
         return Tensor._result(*agred.reduce_all("sum", self, mean=True))
 
+    # ---- contractions (A-4…A-9) ----
+    def _einsum(self, other, out_tags, op="einsum"):
+        self._live(op)
+        _same_ctx(op, self, other)
+        return Tensor._result(*agmm.einsum(self, other, out_tags, op))
+
+    def einsum(self, other: "Tensor", out_tags):
+        """result[out_tags] = sum over every other tag of self * other (A-5)."""
+        return self._einsum(other, out_tags)
+
+    def dot(self, other: "Tensor", tag: str):
+        """Contract `tag`; result tags: batch + left free + right free (A-4)."""
+        self._live("dot")
+        _same_ctx("dot", self, other)
+        return Tensor._result(*agmm.dot(self, other, tag))
+
+    def matmul(self, other: "Tensor", kind: str, out_tags):
+        """A-7: plain / trans_a / trans_b on the storage order, bypassing the tag algebra."""
+        self._live("matmul")
+        _same_ctx("matmul", self, other)
+        return Tensor._result(*agmm.matmul(self, other, kind, out_tags))
+
+    def add_dot(self, a: "Tensor", b: "Tensor", tag: str):
+        """A-9: self + a·b (addmm)."""
+        self._live("add_dot")
+        _same_ctx("add_dot", self, a)
+        _same_ctx("add_dot", self, b)
+        return Tensor._result(*agmm.add_dot(self, a, b, tag))
+
     # ---- casts and views ----
     def to(self, dtype: str):
         """A copy in `dtype` (f32 <-> f16/bf16 with R-9 rounding, differentiable; same dtype copies)."""
@@ -410,6 +440,22 @@ class Tensor:
         a = self._live("contiguous")
         return Tensor._result(*agew.view("contiguous", self, ew.materialize(a.ctx, a), self.tags,
                                          lambda g: g))
+
+
+def _same_ctx(op: str, x: "Tensor", y) -> None:
+    if not isinstance(y, Tensor):
+        raise TypeError(f"{op}: expected a Tensor operand, got {type(y).__name__}")
+    if y._live(op).ctx is not x._raw.ctx:
+        raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
+
+
+def einsum_many(out_tags, *operands) -> "Tensor":
+    """A-6: `fu.einsum_many(("s", "o"), x, a, b)` — a left fold of binary einsums."""
+    for t in operands:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"einsum_many: expected Tensor operands, got {type(t).__name__}")
+        _same_ctx("einsum_many", operands[0], t)
+    return agmm.einsum_many(out_tags, operands)
 
 
 def _real(op: str, s) -> float:

@@ -1,0 +1,182 @@
+"""Contractions with their backward rules (SPEC A-4…A-9): dot and einsum through one engine,
+matmul kinds, add_dot. Backward is the einsum closure: each operand's gradient is itself an
+einsum of the upstream gradient with the other operand, so both stay on the GEMM."""
+from __future__ import annotations
+
+import functools
+
+from .. import axes
+from ..errors import ActiveExecScopeRequired, DTypeError, ShapeMismatch, TagError
+from ..exec import einsum as es
+from ..exec import elementwise as ew
+from ..exec import reduce as red
+from ..exec.matmul import gemm
+from .engine import finish_op, needs_graph
+
+
+def _check_dtypes(op, x, y):
+    if x._raw.dtype != "f32":
+        raise DTypeError(f"{op}: left operand: expected f32, got {x._raw.dtype}")
+    if y._raw.dtype not in ("f32", "f16", "bf16"):
+        raise DTypeError(f"{op}: right operand: expected f32, f16 or bf16, got {y._raw.dtype}")
+
+
+def einsum(x, y, out_tags, op: str = "einsum"):
+    _check_dtypes(op, x, y)
+    a, b = x._raw, y._raw
+    out_tags = tuple(out_tags)
+    out = es.einsum(a.ctx, a, x.tags, b, y.tags, out_tags)
+    saved = (a.ctx, a, x.tags, b, y.tags, out_tags)
+    return finish_op(op, out, out_tags, (x, y), lambda needs: functools.partial(_einsum_grads, saved, needs),
+                     dtypes_ok=True)
+
+
+def _einsum_grads(saved, needs, g):
+    """dX = einsum(g, Y -> X's tags), dY = einsum(X, g -> Y's tags); a summed-away private axis
+    gets the gradient broadcast back over it."""
+    ctx, a, xt, b, yt, out_tags = saved
+    gx = _grad_for(ctx, g, out_tags, b, yt, a, xt) if needs[0] else None
+    gy = _grad_for(ctx, a, xt, g, out_tags, b, yt, left_first=True) if needs[1] else None
+    return gx, gy
+
+
+def _grad_for(ctx, p, pt, q, qt, target, tt, left_first=False):
+    """einsum of p and q onto the tags of `target`, broadcast over target axes neither has."""
+    have = set(pt) | set(qt)
+    kept = tuple(t for t in tt if t in have)
+    if q.dtype != "f32":
+        q = ew.cast(ctx, q, "f32")
+    if p.dtype != "f32":
+        p = ew.cast(ctx, p, "f32")
+    r = es.einsum(ctx, p, pt, q, qt, kept)
+    if kept == tt:
+        return r
+    strides = es._contig(r.shape)
+    full = tuple(target.shape[tt.index(t)] for t in tt)
+    st = tuple(strides[kept.index(t)] if t in kept else 0 for t in tt)
+    return ew.materialize(ctx, r.view(full, st))
+
+
+def dot(x, y, tag: str):
+    out_tags = axes.dot_tags("dot", x.tags, x._raw.shape, y.tags, y._raw.shape, tag)
+    return einsum(x, y, out_tags, op="dot")
+
+
+def einsum_many(out_tags, operands):
+    """A-6: a left fold of binary einsums keeping, at each step, the tags still needed."""
+    out_tags = tuple(out_tags)
+    if len(operands) < 2:
+        raise TypeError(f"einsum_many: expected at least 2 operands, got {len(operands)}")
+    ctx = operands[0]._raw.ctx
+    if needs_graph(*operands) and not ctx.scopes:
+        raise ActiveExecScopeRequired(
+            "einsum_many: a composed op under gradients needs an open exec scope; "
+            "expected `with ctx.exec_scope():` around it")
+    acc = operands[0]
+    for k in range(1, len(operands)):
+        rest = set(out_tags)
+        for o in operands[k + 1:]:
+            rest |= set(o.tags)
+        y = operands[k]
+        keep = tuple(t for t in acc.tags + tuple(t for t in y.tags if t not in acc.tags) if t in rest)
+        if k == len(operands) - 1:
+            keep = out_tags
+        acc = acc._einsum(y, keep)
+    return acc
+
+
+def matmul(x, y, kind: str, out_tags):
+    """A-7: storage order is the kernel layout; kinds plain / trans_a / trans_b; leading batch
+    axes broadcast (stride 0), mixed ranks broadcast."""
+    a, b = x._raw, y._raw
+    if kind not in ("plain", "trans_a", "trans_b"):
+        raise ValueError(f"matmul: expected kind plain, trans_a or trans_b, got {kind!r}")
+    if a.dtype != "f32" or b.dtype != "f32":
+        raise DTypeError(f"matmul: expected f32 operands, got {a.dtype} and {b.dtype}")
+    if a.rank < 2 or b.rank < 2:
+        raise TagError(f"matmul: expected operands of rank >= 2, got {a.rank} and {b.rank}")
+    if kind == "trans_a" and a.rank == 2 and b.rank == 2:
+        raise TagError("matmul: trans_a on two rank-2 operands is not a kind; use dot")
+    av = a.permute(list(range(a.rank - 2)) + [a.rank - 1, a.rank - 2]) if kind == "trans_a" else a
+    bv = b.permute(list(range(b.rank - 2)) + [b.rank - 1, b.rank - 2]) if kind == "trans_b" else b
+    nb = max(a.rank, b.rank) - 2
+    batch = _broadcast_batch(av.shape[:-2], bv.shape[:-2], nb)
+    av, bv = _expand(av, batch), _expand(bv, batch)
+    out_tags = tuple(out_tags)
+    shape = batch + (av.shape[-2], bv.shape[-1])
+    axes.check_tags(out_tags, len(shape), "matmul")
+    out = gemm(a.ctx, av, bv)
+    saved = (a.ctx, a, b, av, bv, kind)
+    return finish_op("matmul", out, out_tags, (x, y),
+                     lambda needs: functools.partial(_matmul_grads, saved, needs))
+
+
+def _broadcast_batch(sa, sb, nb):
+    sa = (1,) * (nb - len(sa)) + tuple(sa)
+    sb = (1,) * (nb - len(sb)) + tuple(sb)
+    out = []
+    for i, (p, q) in enumerate(zip(sa, sb)):
+        if p != q and p != 1 and q != 1:
+            raise ShapeMismatch(f"matmul: batch axis {i} has size {p} and {q}; expected equal or 1")
+        out.append(max(p, q))
+    return tuple(out)
+
+
+def _expand(v, batch):
+    extra = len(batch) - (v.rank - 2)
+    shape = (1,) * extra + v.shape
+    strides = (0,) * extra + v.strides
+    strides = tuple(0 if d == 1 and i < len(batch) else s for i, (d, s) in enumerate(zip(shape, strides)))
+    return v.view(batch + shape[-2:], strides)
+
+
+def _matmul_grads(saved, needs, g):
+    """dA = g·Bᵀ, dB = Aᵀ·g over the broadcast batch; summed over the batch axes an operand
+    broadcast along, then laid out as the operand is stored (transposed back for trans kinds)."""
+    ctx, a, b, av, bv, kind = saved
+    grads = []
+    for which, src in ((0, a), (1, b)):
+        if not needs[which]:
+            grads.append(None)
+            continue
+        d = gemm(ctx, g, _t(bv)) if which == 0 else gemm(ctx, _t(av), g)
+        nb = d.rank - 2
+        extra = nb - (src.rank - 2)
+        own = (1,) * extra + src.shape[:-2]  # the operand's batch sizes, aligned to the result's
+        for ax in reversed(range(nb)):
+            if own[ax] == 1 and d.shape[ax] != 1:
+                d = red.reduce_axis(ctx, "sum", d, ax)
+                d = d.view(d.shape[:ax] + (1,) + d.shape[ax:], d.strides[:ax] + (0,) + d.strides[ax:])
+        d = d.view(d.shape[extra:], d.strides[extra:])
+        if (which == 0 and kind == "trans_a") or (which == 1 and kind == "trans_b"):
+            d = _t(d)
+        grads.append(ew.materialize(ctx, d))
+    return tuple(grads)
+
+
+def _t(v):
+    return v.permute(list(range(v.rank - 2)) + [v.rank - 1, v.rank - 2])
+
+
+def add_dot(res, x, y, tag: str):
+    """A-9: res + x·y with res[rows, cols], x[rows, tag], y[tag, cols] exactly (addmm)."""
+    r, a, b = res._raw, x._raw, y._raw
+    for name, t in (("self", res), ("a", x), ("b", y)):
+        if t._raw.dtype != "f32":
+            raise DTypeError(f"add_dot: operand {name}: expected f32, got {t._raw.dtype}")
+    if (len(res.tags) != 2 or len(x.tags) != 2 or len(y.tags) != 2 or x.tags[1] != tag
+            or y.tags[0] != tag or x.tags[0] != res.tags[0] or y.tags[1] != res.tags[1]):
+        raise TagError(f"add_dot: expected self[rows, cols], a[rows, {tag}], b[{tag}, cols]; got "
+                       f"self{res.tags}, a{x.tags}, b{y.tags}")
+    out = ew.run(r.ctx, "copy", "f32", r.shape, (r,))
+    gemm(r.ctx, a, b, out, accumulate=True)
+    saved = (r.ctx, a, b)
+    return finish_op("add_dot", out, res.tags, (res, x, y),
+                     lambda needs: functools.partial(_add_dot_grads, saved, needs))
+
+
+def _add_dot_grads(saved, needs, g):
+    ctx, a, b = saved
+    return (g if needs[0] else None,
+            gemm(ctx, g, _t(b)) if needs[1] else None,
+            gemm(ctx, _t(a), g) if needs[2] else None)

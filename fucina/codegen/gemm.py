@@ -1,0 +1,470 @@
+"""GEMM kernels: packed panels, a register-blocked micro-kernel, cache blocking, a fixed k order.
+
+The exec layer (fucina/exec/matmul.py) views the operands as a[batch, M, K], b[batch, K, N]
+with arbitrary element strides and computes a contiguous c[batch, M, N] in two launches:
+
+  gemm_pack  copies A into row panels of MR rows and B into column panels of NR columns, in
+             f32 (f16 / bf16 widen exactly on the way). Panel layout, per packed batch:
+                 P[kb][panel][k - kb*KC][w]        (w = 0 .. width-1, zero beyond the edge)
+             i.e. for each KC block of k the panels follow each other, and inside a panel the
+             `width` values of one k are contiguous. Three copy loops, chosen by the strides:
+               wvec — unit stride along the panel width: vector loads along w;
+               kvec — unit stride along k (a transposed operand): 16x16 register transposes;
+               any  — scalar loads.
+  gemm_tile  one chunk = one (batch, MC-row block, NC-column block) tile of C. For each KC
+             block in increasing order, for each NR panel of the tile's columns, for each MR
+             panel of its rows: MR x NR accumulators (MR * NR/16 zmm registers) run one FMA
+             chain per output element over k in increasing order, starting from the partial
+             sum of the previous KC block (reloaded from memory: storing and reloading an f32
+             does not change it). So every c[i, j] = fma(a[i,K-1], b[K-1,j], ... fma(a[i,0],
+             b[0,j], 0)) in that order whatever MC, NC or the thread count, and the chunk grid
+             is fixed by the problem size: results are bitwise identical for any thread count.
+             With `accumulate` the chain's result is added to c in one final rounding
+             (c = c + sum); partial sums of earlier KC blocks then live in a scratch buffer.
+
+  gemm_small a direct kernel for shapes where packing costs more than it saves (few rows
+             of C, short K, tiny problems): see its docstring.
+
+Argument blocks are documented at each builder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import irutil as u
+from .kernels import KernelKey, register
+from .target import host
+
+# ---- blocking constants (the generator's, not the key's: they are runtime arguments) --------
+MR = 14          # rows of the micro-tile (broadcasts from packed A)
+NR_VECS = 2      # vectors across the micro-tile (NR = NR_VECS * lanes columns)
+UNROLL = 4       # k steps per iteration of the micro-kernel's inner loop
+
+
+def lanes() -> int:
+    return host().f32_lanes
+
+
+def nr() -> int:
+    return NR_VECS * lanes()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def _vt(W):
+    return ir.VectorType(u.F32, W)
+
+
+def _mask_upto(b, count, W):
+    """<W x i1>: lane t on iff t < count (count may be negative or > W)."""
+    c = b.select(b.icmp_signed("<", count, u.i64(0)), u.i64(0), count)
+    c = u.smin(b, c, u.i64(W))
+    return u.tail_mask(b, c, W)
+
+
+def _zero_mask(W):
+    return ir.Constant(ir.VectorType(u.I1, W), [ir.Constant(u.I1, 0)] * W)
+
+
+def _fma(b, x, y, z):
+    return u.intrinsic(b, "llvm.fma", z.type, [x, y, z])
+
+
+def transpose16(b, rows):
+    """Transpose a square block held as len(rows) vectors of len(rows) lanes (a power of two):
+    swap the off-diagonal s x s sub-blocks for s = n/2, n/4, ..., 1."""
+    n = len(rows)
+    rows = list(rows)
+    s = n // 2
+    while s >= 1:
+        lo_mask = ir.Constant(ir.VectorType(u.I32, n),
+                              [l if not l & s else n + l - s for l in range(n)])
+        hi_mask = ir.Constant(ir.VectorType(u.I32, n),
+                              [l + s if not l & s else n + l for l in range(n)])
+        new = list(rows)
+        for i in range(n):
+            if i & s:
+                continue
+            a, c = rows[i], rows[i + s]
+            new[i] = b.shuffle_vector(a, c, lo_mask)
+            new[i + s] = b.shuffle_vector(a, c, hi_mask)
+        rows = new
+        s //= 2
+    return rows
+
+
+def _batch_offset(b, pb, d1, d2, s0, s1, s2):
+    """Element offset of flat batch index pb over dims (*, d1, d2) with strides (s0, s1, s2)."""
+    i2 = b.srem(pb, d2)
+    t = b.sdiv(pb, d2)
+    i1 = b.srem(t, d1)
+    i0 = b.sdiv(t, d1)
+    return b.add(b.add(b.mul(i0, s0), b.mul(i1, s1)), b.mul(i2, s2))
+
+
+# ---------------------------------------------------------------------------------------------
+# packing
+
+@register
+@dataclass(frozen=True)
+class GemmPackKey(KernelKey):
+    """Copy an operand into panels of `width` along its free axis (see the module docstring).
+
+    Arguments: 0 src, 1 dst, 2 rows (extent along the panel width), 3 K, 4 s_w, 5 s_k, 6 KC,
+    7 panels, 8 panels per chunk, 9 chunks per packed batch, 10 d1, 11 d2, 12 bs0, 13 bs1,
+    14 bs2 (batch decomposition and strides of the source), 15 dst batch stride (floats).
+    Chunk c packs panels [g*per, (g+1)*per) of packed batch c / groups, g = c % groups.
+    """
+    family = "gemm_pack"
+    dtype: str    # source storage dtype: f32 | f16 | bf16
+    width: int    # panel width (MR for A, NR for B)
+    mode: str     # wvec | kvec | any
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_pack(self, symbol))
+
+
+def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = lanes()
+    Wp = key.width
+    dt = key.dtype
+    src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+    rows, K, s_w, s_k, KC, npan, per, ngroups, d1, d2, bs0, bs1, bs2, dstride = (
+        u.arg(b, args, i) for i in range(2, 16))
+    ppad = b.mul(npan, u.i64(Wp))
+    nvec = -(-Wp // W)
+    with u.Loop(b, c0, c1, 1, "q") as q:
+        grp = b.srem(q, ngroups)
+        pb = b.sdiv(q, ngroups)
+        p0 = b.mul(grp, per)
+        p1 = u.smin(b, b.add(p0, per), npan)
+        sbat = _batch_offset(b, pb, d1, d2, bs0, bs1, bs2)
+        dbase = b.mul(pb, dstride)
+        with u.Loop(b, u.i64(0), K, KC, "k0") as k0:
+            kcl = u.smin(b, KC, b.sub(K, k0))
+            blk = b.add(dbase, b.mul(k0, ppad))      # this KC block of the packed batch
+            pstride = b.mul(kcl, u.i64(Wp))            # floats per panel in the block
+            sk0 = b.add(sbat, b.mul(k0, s_k))
+            if key.mode == "wvec":
+                # row by row over the group's panels: reads run along contiguous memory
+                with u.Loop(b, u.i64(0), kcl, 1, "k") as k:
+                    srow = b.add(sk0, b.mul(k, s_k))
+                    drow = b.add(blk, b.mul(k, u.i64(Wp)))
+                    with u.Loop(b, p0, p1, 1, "p") as p:
+                        w0 = b.mul(p, u.i64(Wp))
+                        wvalid = b.sub(rows, w0)
+                        for v in range(nvec):
+                            m = _mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
+                            x = u.load(b, src, b.add(srow, b.add(w0, u.i64(v * W))), dt, W, m)
+                            sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
+                            u.store(b, x, dst, b.add(b.add(drow, b.mul(p, pstride)), u.i64(v * W)),
+                                    "f32", sm)
+            else:
+                with u.Loop(b, p0, p1, 1, "p") as p:
+                    w0 = b.mul(p, u.i64(Wp))
+                    wvalid = u.smin(b, u.i64(Wp), b.sub(rows, w0))
+                    optr = b.gep(dst, [b.add(blk, b.mul(p, pstride))], source_etype=u.F32)
+                    iptr = b.gep(src, [b.add(sk0, b.mul(w0, s_w))], source_etype=u.STORAGE[dt])
+                    if key.mode == "kvec":
+                        _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W)
+                    else:
+                        _pack_any(b, iptr, optr, kcl, wvalid, s_w, s_k, Wp, dt)
+    b.ret_void()
+    return mod
+
+
+def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
+    """Unit stride along k: groups of W panel rows x W consecutive k, loaded along k and
+    transposed in registers."""
+    nvec = -(-Wp // W)
+    with u.Loop(b, u.i64(0), kcl, W, "kt") as kt:
+        kn = u.smin(b, u.i64(W), b.sub(kcl, kt))
+        kmask = u.tail_mask(b, kn, W)
+        for g in range(nvec):
+            vecs = []
+            for t in range(W):
+                w = g * W + t
+                if w >= Wp:
+                    vecs.append(u.const(_vt(W), 0.0))
+                    continue
+                m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, _zero_mask(W))
+                vecs.append(u.load(b, iptr, b.add(b.mul(u.i64(w), s_w), kt), dt, W, m))
+            cols = transpose16(b, vecs)
+            width_g = min(W, Wp - g * W)
+            sm = None if width_g == W else u.tail_mask(b, u.i64(width_g), W)
+            full = b.icmp_signed("==", kn, u.i64(W))
+
+            def put(j):
+                u.store(b, cols[j], optr, b.add(b.mul(b.add(kt, u.i64(j)), u.i64(Wp)),
+                                                u.i64(g * W)), "f32", sm)
+
+            with b.if_else(full) as (then, other):
+                with then:
+                    for j in range(W):
+                        put(j)
+                with other:
+                    for j in range(W):
+                        with b.if_then(b.icmp_signed("<", u.i64(j), kn)):
+                            put(j)
+
+
+def _pack_any(b, iptr, optr, kcl, wvalid, s_w, s_k, Wp, dt):
+    """Any strides: scalar loads, zeros beyond the panel's valid rows."""
+    with u.Loop(b, u.i64(0), kcl, 1, "k") as k:
+        row = b.mul(k, s_k)
+        with u.Loop(b, u.i64(0), u.i64(Wp), 1, "w") as w:
+            slot = u.entry_alloca(b, u.F32)
+            b.store(u.const(u.F32, 0.0), slot)
+            with b.if_then(b.icmp_signed("<", w, wvalid)):
+                b.store(u.load(b, iptr, b.add(row, b.mul(w, s_w)), dt), slot)
+            b.store(b.load(slot), b.gep(optr, [b.add(b.mul(k, u.i64(Wp)), w)], source_etype=u.F32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the tile kernel
+
+@register
+@dataclass(frozen=True)
+class GemmTileKey(KernelKey):
+    """C tiles from packed panels (see the module docstring).
+
+    Arguments: 0 Ap, 1 Bp, 2 C, 3 Cpart, 4 M, 5 N, 6 K, 7 KC, 8 MC, 9 NC, 10 M blocks,
+    11 N blocks, 12 Ap batch stride, 13 Bp batch stride (floats; 0 = broadcast), 14 accumulate.
+    C is contiguous [batch, M, N]; Cpart (partial sums when accumulate and K > KC) likewise.
+    """
+    family = "gemm_tile"
+    mr: int
+    nr_vecs: int
+    unroll: int
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_tile(self, symbol))
+
+
+def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = lanes()
+    vt = _vt(W)
+    R, V, U = key.mr, key.nr_vecs, key.unroll
+    NRc = V * W
+    Ap, Bp, C, Cpart = (u.arg_ptr(b, args, i) for i in range(4))
+    M, N, K, KC, MC, NC, nmb, nnb, sAp, sBp, accflag = (u.arg(b, args, i) for i in range(4, 15))
+    Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
+    Np = b.mul(b.sdiv(b.add(N, u.i64(NRc - 1)), u.i64(NRc)), u.i64(NRc))
+    accumulate = b.icmp_signed("!=", accflag, u.i64(0))
+    accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
+
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        nb = b.srem(c, nnb)
+        t = b.sdiv(c, nnb)
+        mb = b.srem(t, nmb)
+        bt = b.sdiv(t, nmb)
+        row0 = b.mul(mb, MC)
+        row1 = u.smin(b, b.add(row0, MC), M)
+        col0 = b.mul(nb, NC)
+        col1 = u.smin(b, b.add(col0, NC), N)
+        abat = b.mul(bt, sAp)
+        bbat = b.mul(bt, sBp)
+        cbat = b.mul(bt, b.mul(M, N))
+        with u.Loop(b, u.i64(0), K, KC, "k0") as k0:
+            kcl = u.smin(b, KC, b.sub(K, k0))
+            first = b.icmp_signed("==", k0, u.i64(0))
+            last = b.icmp_signed(">=", b.add(k0, KC), K)
+            ablk = b.add(abat, b.mul(k0, Mp))
+            bblk = b.add(bbat, b.mul(k0, Np))
+            with u.Loop(b, col0, col1, NRc, "j0") as j0:
+                bp = b.gep(Bp, [b.add(bblk, b.mul(j0, kcl))], source_etype=u.F32)
+                nvalid = b.sub(N, j0)
+                cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
+                with u.Loop(b, row0, row1, R, "i0") as i0:
+                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
+                    mvalid = b.sub(M, i0)
+                    coff = b.add(cbat, b.add(b.mul(i0, N), j0))
+                    masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
+                                       _zero_mask(W)) for v in range(V)] for r in range(R)]
+
+                    def tile_io(ptr, load, values=None, add=False):
+                        out = []
+                        for r in range(R):
+                            for v in range(V):
+                                idx = b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+                                if load:
+                                    out.append(u.load(b, ptr, idx, "f32", W, masks[r][v]))
+                                else:
+                                    x = b.load(accs[r][v])
+                                    if add:
+                                        x = b.fadd(u.load(b, ptr, idx, "f32", W, masks[r][v]), x)
+                                    u.store(b, x, ptr, idx, "f32", masks[r][v])
+                        return out
+
+                    with b.if_else(first) as (then, other):
+                        with then:
+                            for r in range(R):
+                                for v in range(V):
+                                    b.store(u.const(vt, 0.0), accs[r][v])
+                        with other:
+                            vals = tile_io(Cpart, True)
+                            for r in range(R):
+                                for v in range(V):
+                                    b.store(vals[r * V + v], accs[r][v])
+
+                    def step(kk):
+                        bv = [u.load(b, bp, b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W)), "f32", W)
+                              for v in range(V)]
+                        for r in range(R):
+                            a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
+                                             source_etype=u.F32), typ=u.F32)
+                            av = u.splat(b, a, W)
+                            for v in range(V):
+                                b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
+
+                    kmain = b.sub(kcl, b.srem(kcl, u.i64(U)))
+                    with u.Loop(b, u.i64(0), kmain, U, "k") as k:
+                        for s in range(U):
+                            step(b.add(k, u.i64(s)))
+                    with u.Loop(b, kmain, kcl, 1, "kr") as k:
+                        step(k)
+
+                    final_add = b.and_(last, accumulate)
+                    with b.if_else(final_add) as (then, other):
+                        with then:
+                            tile_io(C, False, add=True)
+                        with other:
+                            dstp = b.select(last, C, Cpart)
+                            tile_io(dstp, False)
+    b.ret_void()
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------
+# direct kernels for small or skinny problems
+
+@register
+@dataclass(frozen=True)
+class GemmSmallKey(KernelKey):
+    """C computed straight from the operands, no packing: for few rows of C (GEMV), short
+    problems, and skinny outputs with both operands contiguous along k.
+
+      rowvec — b has unit stride along n: each item is `rm` rows x `rn` vectors of C; for k in
+               increasing order, acc = fma(a[i,k], b[k, j..j+W], acc) — the same FMA chain per
+               element as the packed path.
+      dot    — a and b have unit stride along k: each item is `rm` rows x `rn` columns of C;
+               lane t of an accumulator sums k = t, t+W, ... in increasing order (one FMA
+               chain, a masked tail last), then a fixed halving tree folds the lanes.
+
+    Arguments: 0 a, 1 b, 2 c, 3 M, 4 N, 5 K, 6 s_am, 7 s_ak, 8 s_bk, 9 s_bn, 10 d1, 11 d2,
+    12..14 a batch strides, 15..17 b batch strides, 18 accumulate, 19 items per chunk,
+    20 row groups, 21 column blocks, 22 batches. C is contiguous [batch, M, N].
+    """
+    family = "gemm_small"
+    b_dtype: str
+    mode: str     # rowvec | dot
+    rm: int
+    rn: int
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_small(self, symbol))
+
+
+def _hsum(b, v):
+    """Fold a vector by halves (a fixed tree) to a scalar."""
+    n = v.type.count
+    while n > 1:
+        h = n // 2
+        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h))))
+        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h, n))))
+        v, n = b.fadd(lo, hi), h
+    return b.extract_element(v, u.i64(0))
+
+
+def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = lanes()
+    vt = _vt(W)
+    RM, RN, bdt = key.rm, key.rn, key.b_dtype
+    A, B, C = (u.arg_ptr(b, args, i) for i in range(3))
+    (M, N, K, s_am, s_ak, s_bk, s_bn, d1, d2, as0, as1, as2, bs0, bs1, bs2, accflag, per,
+     nrg, ncb, nbatch) = (u.arg(b, args, i) for i in range(3, 23))
+    accumulate = b.icmp_signed("!=", accflag, u.i64(0))
+    items = b.mul(nbatch, b.mul(nrg, ncb))
+    q0 = b.mul(c0, per)
+    q1 = u.smin(b, b.mul(c1, per), items)
+    if key.mode == "rowvec":
+        accs = [[u.entry_alloca(b, vt) for _ in range(RN)] for _ in range(RM)]
+    else:
+        accs = [[u.entry_alloca(b, vt) for _ in range(RN)] for _ in range(RM)]
+    with u.Loop(b, q0, q1, 1, "q") as q:
+        cb = b.srem(q, ncb)
+        t = b.sdiv(q, ncb)
+        rg = b.srem(t, nrg)
+        bt = b.sdiv(t, nrg)
+        aoff = _batch_offset(b, bt, d1, d2, as0, as1, as2)
+        boff = _batch_offset(b, bt, d1, d2, bs0, bs1, bs2)
+        coff = b.mul(bt, b.mul(M, N))
+        i0 = b.mul(rg, u.i64(RM))
+        mvalid = b.sub(M, i0)
+        # rows past the edge read row M-1 (in bounds) and are never stored
+        arow = [b.add(aoff, b.mul(u.smin(b, b.add(i0, u.i64(r)), b.sub(M, u.i64(1))), s_am))
+                for r in range(RM)]
+        for r in range(RM):
+            for v in range(RN):
+                b.store(u.const(vt, 0.0), accs[r][v])
+        if key.mode == "rowvec":
+            j0 = b.mul(cb, u.i64(RN * W))
+            nvalid = b.sub(N, j0)
+            cm = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(RN)]
+            bcol = b.add(boff, b.mul(j0, s_bn))
+            with u.Loop(b, u.i64(0), K, 1, "k") as k:
+                brow = b.add(bcol, b.mul(k, s_bk))
+                bv = [u.load(b, B, b.add(brow, u.i64(v * W)), bdt, W, cm[v]) for v in range(RN)]
+                ka = b.mul(k, s_ak)
+                for r in range(RM):
+                    av = u.splat(b, u.load(b, A, b.add(arow[r], ka), "f32"), W)
+                    for v in range(RN):
+                        b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
+            for r in range(RM):
+                rowok = b.icmp_signed("<", u.i64(r), mvalid)
+                for v in range(RN):
+                    m = b.select(rowok, cm[v], _zero_mask(W))
+                    idx = b.add(coff, b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(v * W))))
+                    x = b.load(accs[r][v])
+                    old = u.load(b, C, idx, "f32", W, m)
+                    x = b.select(accumulate, b.fadd(old, x), x)
+                    u.store(b, x, C, idx, "f32", m)
+        else:
+            j0 = b.mul(cb, u.i64(RN))
+            nvalid = b.sub(N, j0)
+            bcol = [b.add(boff, b.mul(u.smin(b, b.add(j0, u.i64(c)), b.sub(N, u.i64(1))), s_bn))
+                    for c in range(RN)]
+
+            def step(kt, mask):
+                av = [u.load(b, A, b.add(arow[r], kt), "f32", W, mask) for r in range(RM)]
+                for c in range(RN):
+                    bv = u.load(b, B, b.add(bcol[c], kt), bdt, W, mask)
+                    for r in range(RM):
+                        b.store(_fma(b, av[r], bv, b.load(accs[r][c])), accs[r][c])
+
+            kfull = b.sub(K, b.srem(K, u.i64(W)))
+            with u.Loop(b, u.i64(0), kfull, W, "k") as kt:
+                step(kt, None)
+            with b.if_then(b.icmp_signed("<", kfull, K)):
+                step(kfull, u.tail_mask(b, b.sub(K, kfull), W))
+            for r in range(RM):
+                for c in range(RN):
+                    ok = b.and_(b.icmp_signed("<", u.i64(r), mvalid),
+                                b.icmp_signed("<", u.i64(c), nvalid))
+                    with b.if_then(ok):
+                        idx = b.add(coff, b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(c))))
+                        x = _hsum(b, b.load(accs[r][c]))
+                        p = b.gep(C, [idx], source_etype=u.F32)
+                        with b.if_else(accumulate) as (then, other):
+                            with then:
+                                b.store(b.fadd(b.load(p, typ=u.F32), x), p)
+                            with other:
+                                b.store(x, p)
+    b.ret_void()
+    return mod
