@@ -10,12 +10,12 @@ LLVM IR on first use, compiled for this CPU and cached on disk.
 from .ag.context import ExecContext
 from .ag.engine import is_grad_enabled, no_grad
 from .ag.gradcheck import GradcheckResult, gradcheck
-from .ag.tensor import Tensor, einsum_many
+from .ag.tensor import Tensor, custom_vjp, einsum_many
 from .errors import *  # noqa: F401,F403  (the SPEC §0.3 catalogue)
 from .errors import __all__ as _errors
 from .exec.context import ExecScope
 from .exec.raw import MAX_RANK, LayoutClass
 
 __version__ = "0.1.0"
-__all__ = ["ExecContext", "ExecScope", "Tensor", "einsum_many", "LayoutClass", "MAX_RANK", "no_grad", "gradcheck", "GradcheckResult",
+__all__ = ["ExecContext", "ExecScope", "Tensor", "einsum_many", "custom_vjp", "LayoutClass", "MAX_RANK", "no_grad", "gradcheck", "GradcheckResult",
            "is_grad_enabled", *_errors]

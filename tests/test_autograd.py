@@ -325,3 +325,63 @@ def test_released_node_before_backward_is_an_error(ctx):
         h2 = w * 2.0
     with pytest.raises(fu.UseAfterRelease):
         h2.sum_all()
+
+
+# ---- custom_vjp (SPEC §3.21) ----
+
+class ScaledSquare:
+    Output = ("n",)
+
+    @staticmethod
+    def forward(ctx, extra, inputs):
+        (x,) = inputs
+        return (x * x).scale(extra)
+
+    @staticmethod
+    def backward(ctx, extra, inputs, output, gy, needs_grad, out):
+        (x,) = inputs
+        out[0] = (gy * x).scale(2.0 * extra)
+
+
+def test_custom_vjp_acceptance(ctx):
+    x = ctx.variable([1.0, -2.0, 3.0], ("n",))
+    y = fu.custom_vjp(ScaledSquare, 0.5, [x])
+    assert y.numpy().tolist() == [0.5, 2.0, 4.5] and y.requires_grad
+    r = fu.gradcheck(lambda v: fu.custom_vjp(ScaledSquare, 0.5, [v]).sum_all(), [x])
+    assert r.checked == 3
+    c = fu.custom_vjp(ScaledSquare, 0.5, [ctx.tensor([1.0], ("n",))])
+    assert not c.requires_grad
+    with fu.no_grad():
+        assert not fu.custom_vjp(ScaledSquare, 0.5, [x]).requires_grad
+
+
+def test_custom_vjp_errors(ctx):
+    x = ctx.variable([1.0, 2.0], ("n",))
+
+    class NoBackward:
+        Output = ("n",)
+
+        @staticmethod
+        def forward(ctx, extra, inputs):
+            return inputs[0] * 1.0
+
+    with pytest.raises(TypeError, match="backward"):
+        fu.custom_vjp(NoBackward, None, [x])
+
+    class Forgetful(ScaledSquare):
+        @staticmethod
+        def backward(ctx, extra, inputs, output, gy, needs_grad, out):
+            pass
+
+    with pytest.raises(fu.MissingBackwardGradient):
+        fu.custom_vjp(Forgetful, 1.0, [x]).sum_all().backward()
+
+    class WrongShape(ScaledSquare):
+        @staticmethod
+        def backward(ctx, extra, inputs, output, gy, needs_grad, out):
+            out[0] = ctx.tensor([1.0, 2.0, 3.0], ("n",))
+
+    with pytest.raises(fu.ShapeMismatch):
+        fu.custom_vjp(WrongShape, 1.0, [x]).sum_all().backward()
+    with pytest.raises(fu.DTypeError):
+        fu.custom_vjp(ScaledSquare, 1.0, [ctx.tensor([1, 2], ("n",), dtype="i64")])

@@ -18,6 +18,7 @@ from ..exec import elementwise as ew
 from ..exec.dtypes import check as check_dtype
 from ..exec.raw import RawTensor
 from ..runtime import _rt
+from . import custom as agcustom
 from . import elementwise as agew
 from . import matmul as agmm
 from . import engine
@@ -456,6 +457,15 @@ def einsum_many(out_tags, *operands) -> "Tensor":
             raise TypeError(f"einsum_many: expected Tensor operands, got {type(t).__name__}")
         _same_ctx("einsum_many", operands[0], t)
     return agmm.einsum_many(out_tags, operands)
+
+
+def custom_vjp(spec, extra, inputs) -> "Tensor":
+    """SPEC §3.21: a differentiable op from spec.forward / spec.backward."""
+    for t in inputs:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"custom_vjp: expected Tensor inputs, got {type(t).__name__}")
+        _same_ctx("custom_vjp", inputs[0], t)
+    return Tensor._result(*agcustom.custom_vjp(spec, extra, inputs))
 
 
 def _real(op: str, s) -> float:
