@@ -408,6 +408,22 @@ class Tensor:
         _same_ctx("add_dot", self, b)
         return Tensor._result(*agmm.add_dot(self, a, b, tag))
 
+    # ---- user scalar ops (SPEC §3.5) ----
+    def elemental_unary(self, op, extra=None):
+        """op.forward(x, extra) and op.backward(x, y, gy, extra) -> dL/dx, traced into kernels."""
+        from . import elemental
+
+        self._live("elemental_unary")
+        return Tensor._result(*elemental.elemental_unary(self, op, extra))
+
+    def elemental_binary(self, other: "Tensor", op, extra=None):
+        """op.forward(a, b, extra), op.backward_a / backward_b(a, b, y, gy, extra); A-2 broadcast."""
+        from . import elemental
+
+        self._live("elemental_binary")
+        _same_ctx("elemental_binary", self, other)
+        return Tensor._result(*elemental.elemental_binary(self, other, op, extra))
+
     # ---- casts and views ----
     def to(self, dtype: str):
         """A copy in `dtype` (f32 <-> f16/bf16 with R-9 rounding, differentiable; same dtype copies)."""
