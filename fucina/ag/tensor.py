@@ -20,6 +20,7 @@ from ..exec.raw import RawTensor
 from ..runtime import _rt
 from . import custom as agcustom
 from . import elementwise as agew
+from . import loss as agloss
 from . import matmul as agmm
 from . import engine
 from . import reduce as agred
@@ -407,6 +408,15 @@ class Tensor:
         _same_ctx("add_dot", self, a)
         _same_ctx("add_dot", self, b)
         return Tensor._result(*agmm.add_dot(self, a, b, tag))
+
+    # ---- losses (SPEC §3.14) ----
+    def cross_entropy(self, class_tag: str, labels, *, ignore_index=None, reduction: str = "mean",
+                      label_smoothing: float = 0.0):
+        """Fused log-softmax + NLL over `class_tag`; labels one per remaining position."""
+        return Tensor._result(*agloss.cross_entropy(self, class_tag, labels, ignore_index,
+                                                    reduction, label_smoothing))
+
+    cross_entropy_ext = cross_entropy
 
     # ---- user scalar ops (SPEC §3.5) ----
     def elemental_unary(self, op, extra=None):
