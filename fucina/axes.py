@@ -65,49 +65,6 @@ def reduced(tags: tuple, tag: str, op: str) -> tuple[int, tuple]:
     return ax, tags[:ax] + tags[ax + 1:]
 
 
-class Roles:
-    """A-5: what each tag of a binary contraction is (lists in the order the lowering uses)."""
-
-    __slots__ = ("batch", "contract", "lfree", "rfree", "lsum", "rsum", "sizes", "out")
-
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
-
-
-@functools.lru_cache(maxsize=4096)
-def einsum_roles(op: str, ltags: tuple, lshape: tuple, rtags: tuple, rshape: tuple,
-                 out_tags: tuple) -> Roles:
-    """Roles by membership: shared+kept = batch, shared+dropped = contraction, private+kept =
-    free, private+dropped = summed away first. Result order is exactly out_tags."""
-    out_tags = tuple(out_tags)
-    for t in out_tags:
-        if not isinstance(t, str):
-            raise TagError(f"{op}: expected output tags to be strings, got {t!r}")
-    if len(set(out_tags)) != len(out_tags):
-        raise TagError(f"{op}: expected unique output tags, got {out_tags}")
-    for t in out_tags:
-        if t not in ltags and t not in rtags:
-            raise TagError(f"{op}: output tag {t!r} is in neither operand ({ltags} and {rtags})")
-    if len(out_tags) > MAX_RANK:
-        raise TagError(f"{op}: result would have rank {len(out_tags)} > {MAX_RANK}")
-    sizes = dict(zip(rtags, rshape))
-    for t, d in zip(ltags, lshape):
-        if t in sizes and sizes[t] != d:
-            raise ShapeMismatch(f"{op}: axis {t!r} has size {d} in the left operand and {sizes[t]} "
-                                f"in the right; expected equal sizes")
-        sizes[t] = d
-    kept = set(out_tags)
-    return Roles(
-        batch=[t for t in out_tags if t in ltags and t in rtags],
-        contract=[t for t in ltags if t in rtags and t not in kept],
-        lfree=[t for t in out_tags if t in ltags and t not in rtags],
-        rfree=[t for t in out_tags if t in rtags and t not in ltags],
-        lsum=[t for t in ltags if t not in rtags and t not in kept],
-        rsum=[t for t in rtags if t not in ltags and t not in kept],
-        sizes=sizes, out=out_tags)
-
-
 def dot_tags(op: str, ltags: tuple, lshape: tuple, rtags: tuple, rshape: tuple, tag: str) -> tuple:
     """A-4: contract `tag` (in both, equal sizes); other shared tags are batch (equal sizes,
     no broadcasting). Result: batch (left order) + left free + right free."""

@@ -124,7 +124,11 @@ INT_OPS = {
 }
 
 
-def op_table(compute_dtype: str) -> dict:
+def op_table(compute_dtype: str, op: str = "") -> dict:
+    if op.startswith("elemental:") and compute_dtype == "f32":  # user scalar ops (SPEC §3.5)
+        from .elemental import op_entry
+
+        return {op: op_entry(op)}
     return INT_OPS if compute_dtype in ("i64", "bool") else FLOAT_OPS
 
 
@@ -151,7 +155,7 @@ def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
     mod, b, args, c0, c1 = u.kernel(symbol)
     k, r = len(key.roles), key.rank
     cdt = compute_dtype(key.in_dtypes[0])
-    arity, fn = op_table(cdt)[key.op]
+    arity, fn = op_table(cdt, key.op)[key.op]
     assert arity == k, (key.op, k)
     ctype = u.COMPUTE[cdt]
     lanes = host().vector_bits // (ctype.width if isinstance(ctype, ir.IntType) else 32)

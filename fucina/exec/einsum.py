@@ -4,11 +4,56 @@ its strides allow, and copying into that order only when they do not.
 """
 from __future__ import annotations
 
-from .. import axes
+import functools
+
+from ..errors import ShapeMismatch, TagError
 from . import elementwise as ew
 from . import reduce as red
 from .matmul import gemm
-from .raw import RawTensor
+from .raw import MAX_RANK, RawTensor
+
+
+class Roles:
+    """A-5: what each tag of a binary contraction is (lists in the order the lowering uses)."""
+
+    __slots__ = ("batch", "contract", "lfree", "rfree", "lsum", "rsum", "sizes", "out")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+@functools.lru_cache(maxsize=4096)
+def einsum_roles(op: str, ltags: tuple, lshape: tuple, rtags: tuple, rshape: tuple,
+                 out_tags: tuple) -> Roles:
+    """Roles by membership: shared+kept = batch, shared+dropped = contraction, private+kept =
+    free, private+dropped = summed away first. Result order is exactly out_tags."""
+    out_tags = tuple(out_tags)
+    for t in out_tags:
+        if not isinstance(t, str):
+            raise TagError(f"{op}: expected output tags to be strings, got {t!r}")
+    if len(set(out_tags)) != len(out_tags):
+        raise TagError(f"{op}: expected unique output tags, got {out_tags}")
+    for t in out_tags:
+        if t not in ltags and t not in rtags:
+            raise TagError(f"{op}: output tag {t!r} is in neither operand ({ltags} and {rtags})")
+    if len(out_tags) > MAX_RANK:
+        raise TagError(f"{op}: result would have rank {len(out_tags)} > {MAX_RANK}")
+    sizes = dict(zip(rtags, rshape))
+    for t, d in zip(ltags, lshape):
+        if t in sizes and sizes[t] != d:
+            raise ShapeMismatch(f"{op}: axis {t!r} has size {d} in the left operand and {sizes[t]} "
+                                f"in the right; expected equal sizes")
+        sizes[t] = d
+    kept = set(out_tags)
+    return Roles(
+        batch=[t for t in out_tags if t in ltags and t in rtags],
+        contract=[t for t in ltags if t in rtags and t not in kept],
+        lfree=[t for t in out_tags if t in ltags and t not in rtags],
+        rfree=[t for t in out_tags if t in rtags and t not in ltags],
+        lsum=[t for t in ltags if t not in rtags and t not in kept],
+        rsum=[t for t in rtags if t not in ltags and t not in kept],
+        sizes=sizes, out=out_tags)
 
 
 def _merge(shape, strides):
@@ -68,7 +113,7 @@ def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags
            out: RawTensor | None = None, accumulate: bool = False) -> RawTensor:
     """result[out_tags] = sum over the other tags of x * y (A-5), contiguous in out_tags order.
     With out= (contiguous, out_tags order) and accumulate=True: out += x.y."""
-    r = axes.einsum_roles("einsum", xtags, x.shape, ytags, y.shape, tuple(out_tags))
+    r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, tuple(out_tags))
     if r.lsum:
         x, xtags = _sum_away(ctx, x, xtags, r.lsum)
     if r.rsum:
@@ -77,7 +122,7 @@ def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags
     swapped = tuple(r.batch) + tuple(r.rfree) + tuple(r.lfree)
     if r.out != natural and r.out == swapped:  # C^T = B^T A^T lands in out order directly
         x, xtags, y, ytags = y, ytags, x, xtags
-        r = axes.einsum_roles("einsum", xtags, x.shape, ytags, y.shape, r.out)
+        r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, r.out)
         natural = swapped
     b = list(r.batch)
     xv = _operand(ctx, x, xtags, b + [tuple(r.lfree), tuple(r.contract)])
