@@ -1,6 +1,6 @@
 """Micro-benchmarks of the C runtime (fucina.runtime._rt); prints small tables.
 
-    python benchmarks/bench_runtime.py [--quick]
+    python benchmarks/bench_runtime.py [--quick] [--only=overhead|forkjoin|crossover ...]
 
 1. launch overhead of an inline tiny job, against calling the same C function through ctypes;
    plus a pool alloc/release cycle and reading a buffer's address;
@@ -174,6 +174,20 @@ def bench_fork_join(quick: bool) -> dict:
 # 3. crossover
 # ---------------------------------------------------------------------------------------------
 
+def _wait_parked(team, want: bool, timeout: float = 1.0) -> None:
+    """Bring the worker to a known state: parked (sleep until it parks) or awake and spinning
+    (a no-op job wakes it; wait until it has left the futex)."""
+    deadline = time.perf_counter() + timeout
+    if want:
+        while team.parked_workers() < 1 and time.perf_counter() < deadline:
+            time.sleep(0.0002)
+    else:
+        if team.parked_workers() > 0:
+            _rt.launch(team, kaddr("noop"), 2, HUGE)
+        while team.parked_workers() > 0 and time.perf_counter() < deadline:
+            pass
+
+
 def bench_crossover(quick: bool) -> dict:
     team = _rt.Team(2, spin_us=50)
     scale = kaddr("scale_f32")
@@ -181,51 +195,65 @@ def bench_crossover(quick: bool) -> dict:
     bits = int(np.array([0.5], np.float32).view(np.uint32)[0])
     sizes = [4096 << i for i in range(11)]  # 4 KiB ... 4 MiB of f32 input
     rng = np.random.default_rng(0)
-    data = {}
+    jobs = {}
     for nbytes in sizes:
         n = nbytes // 4
         src = rng.standard_normal(n).astype(np.float32)
         dst = np.empty_like(src)
-        data[nbytes] = (src, dst, n)
+        args = (src.ctypes.data, dst.ctypes.data, n)
+        jobs[nbytes] = (src, dst, {
+            "inline": (None, 1, 2 * nbytes) + args + (n, bits),
+            "2 chunks": (team, 2, 2 * nbytes) + args + (-(-n // 2), bits),
+            "8 chunks": (team, 8, 2 * nbytes) + args + (-(-n // 8), bits),
+        })  # cost = bytes read + written
+    variants = ["inline", "2 chunks", "8 chunks"]
+    passes, parked_passes = (400, 30) if quick else (2000, 150)
+    times = {(s, v): [] for s in sizes for v in variants + ["8 chunks, parked"]}
     old = _rt.set_inline_threshold(0)
-    rows, res = [], {}
     try:
-        times = {(s, v): [] for s in sizes for v in ("inline", "2 chunks", "8 chunks")}
-        budget = 0.6 if quick else 4.0  # seconds per size, split over interleaved runs
-        for nbytes in sizes:
-            src, dst, n = data[nbytes]
-            sp, dp = src.ctypes.data, dst.ctypes.data
-            cost = 2 * nbytes  # read + write
-            variants = {
-                "inline": (None, 1, n),
-                "2 chunks": (team, 2, -(-n // 2)),
-                "8 chunks": (team, 8, -(-n // 8)),
-            }
-            for tm, nc, cs in variants.values():  # warm caches and pages
-                launch(tm, scale, nc, cost, sp, dp, n, cs, bits)
-            t_end = time.perf_counter() + budget
-            reps = 0
-            order = list(variants)
-            while time.perf_counter() < t_end or reps < 30:
-                for v in order:  # interleave, rotate the order so none always goes first
-                    tm, nc, cs = variants[v]
+        for s in sizes:  # warm caches and pages
+            for v in variants:
+                a = jobs[s][2][v]
+                launch(a[0], scale, *a[1:])
+        # Round-robin over sizes and variants: a burst of load from elsewhere hits every size
+        # alike instead of skewing one. Team runs start with the worker awake and spinning.
+        for p in range(passes):
+            for s in sizes:
+                order = variants[p % 3:] + variants[:p % 3]
+                for v in order:
+                    a = jobs[s][2][v]
+                    if a[0] is not None:
+                        _wait_parked(team, False)
                     t0 = time.perf_counter_ns()
-                    launch(tm, scale, nc, cost, sp, dp, n, cs, bits)
-                    times[(nbytes, v)].append(time.perf_counter_ns() - t0)
-                order = order[1:] + order[:1]
-                reps += 1
-            med = {v: statistics.median(times[(nbytes, v)]) / 1e3 for v in variants}
-            res[nbytes] = med
-            rows.append([f"{nbytes // 1024} KiB", f"{cost // 1024} KiB", f"{med['inline']:.2f}",
-                         f"{med['2 chunks']:.2f}", f"{med['8 chunks']:.2f}",
-                         f"{med['inline'] / med['2 chunks']:.2f}x",
-                         f"{med['inline'] / med['8 chunks']:.2f}x", str(reps)])
+                    launch(a[0], scale, *a[1:])
+                    times[(s, v)].append(time.perf_counter_ns() - t0)
+        # The first op after a pause: the worker is asleep when the launch begins.
+        for p in range(parked_passes):
+            for s in sizes:
+                a = jobs[s][2]["8 chunks"]
+                _wait_parked(team, True)
+                t0 = time.perf_counter_ns()
+                launch(a[0], scale, *a[1:])
+                times[(s, "8 chunks, parked")].append(time.perf_counter_ns() - t0)
     finally:
         _rt.set_inline_threshold(old)
         team.close()
-    table("3. scale_f32: inline vs 2-thread team (median us; cost = bytes read + written)",
-          ["input", "cost", "inline", "team/2ch", "team/8ch", "speedup 2ch", "speedup 8ch", "runs"],
-          rows)
+
+    res, rows = {}, []
+    for s in sizes:
+        med = {v: statistics.median(times[(s, v)]) / 1e3 for v in variants + ["8 chunks, parked"]}
+        res[s] = med
+        rows.append([f"{s // 1024} KiB", f"{2 * s // 1024} KiB", f"{med['inline']:.2f}",
+                     f"{med['2 chunks']:.2f}", f"{med['8 chunks']:.2f}",
+                     f"{med['8 chunks, parked']:.2f}",
+                     f"{med['inline'] / med['2 chunks']:.2f}x",
+                     f"{med['inline'] / med['8 chunks']:.2f}x",
+                     f"{med['inline'] / med['8 chunks, parked']:.2f}x"])
+    table(f"3. scale_f32: inline vs 2-thread team (median us of {passes} interleaved runs, "
+          f"{parked_passes} parked;\n   cost = bytes read + written; 'parked' = the worker was "
+          f"asleep when the launch began)",
+          ["input", "cost", "inline", "team/2ch", "team/8ch", "team/8ch parked",
+           "speedup 2ch", "speedup 8ch", "speedup 8ch parked"], rows)
 
     def crossover(variant):
         wins = [res[s]["inline"] > res[s][variant] for s in sizes]
@@ -234,26 +262,58 @@ def bench_crossover(quick: bool) -> dict:
                 return 2 * sizes[i]
         return None
 
-    cx = {v: crossover(v) for v in ("2 chunks", "8 chunks")}
+    cx = {v: crossover(v) for v in ("2 chunks", "8 chunks", "8 chunks, parked")}
     for v, c in cx.items():
         print(f"  team wins from cost >= {c // 1024 if c else '-'} KiB on ({v})")
     return {"sizes": res, "crossover": cx}
 
 
+def _cpu_ticks():
+    """(busy ticks of the whole machine, ticks used by this process) from /proc, or None."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            w = f.read().rsplit(")", 1)[1].split()
+        return sum(v) - v[3] - v[4], int(w[11]) + int(w[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def others_load(fn, *args):
+    """Run fn; report how much of the machine other processes used meanwhile (they skew the
+    team numbers: a worker without a CPU of its own cannot help)."""
+    t0, c0 = time.perf_counter(), _cpu_ticks()
+    out = fn(*args)
+    t1, c1 = time.perf_counter(), _cpu_ticks()
+    if c0 and c1:
+        hz = os.sysconf("SC_CLK_TCK")
+        other = ((c1[0] - c0[0]) - (c1[1] - c0[1])) / hz / ((t1 - t0) * (os.cpu_count() or 1))
+        print(f"  (other processes used {max(other, 0.0):.0%} of the machine meanwhile)")
+    return out
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     quick = "--quick" in argv
+    only = {a.split("=", 1)[1] for a in argv if a.startswith("--only=")}
     load = os.getloadavg()
     print(f"fucina runtime benchmark: {os.cpu_count()} CPUs, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, inline threshold now "
           f"{_rt.get_inline_threshold()} B")
-    bench_overhead(quick)
-    bench_fork_join(quick)
-    res = bench_crossover(quick)
-    c = [v for v in res["crossover"].values() if v]
+    if not only or "overhead" in only:
+        others_load(bench_overhead, quick)
+    if not only or "forkjoin" in only:
+        others_load(bench_fork_join, quick)
+    if only and "crossover" not in only:
+        return
+    res = others_load(bench_crossover, quick)
+    cx = res["crossover"]
+    c = [cx[v] for v in ("2 chunks", "8 chunks") if cx[v]]
     if c:
-        print(f"\nsuggested inline threshold: {max(c) // 1024} KiB "
-              f"(compiled-in default: {_rt.DEFAULT_INLINE_THRESHOLD // 1024} KiB)")
+        print(f"\ncrossover with a spinning worker (the common case inside a chain of ops): "
+              f"{max(c) // 1024} KiB; compiled-in default inline threshold: "
+              f"{_rt.DEFAULT_INLINE_THRESHOLD // 1024} KiB")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
 
