@@ -180,19 +180,9 @@ def test_any_width_gives_same_bits(kernels, lanes):
 
 
 def _asm(text: str) -> str:
-    import llvmlite.binding as llvm
-    from fucina.codegen.target import target_machine
+    from fucina.codegen.jit import assembly
 
-    tm = target_machine()
-    mod = llvm.parse_assembly(text)
-    mod.triple = host().triple
-    mod.data_layout = str(tm.target_data)
-    pto = llvm.create_pipeline_tuning_options(3)
-    pto.loop_vectorization = False
-    pto.slp_vectorization = False
-    pb = llvm.create_pass_builder(tm, pto)
-    pb.getModulePassManager().run(mod, pb)
-    return tm.emit_assembly(mod)
+    return assembly(text)
 
 
 @pytest.mark.parametrize("name", NAMES)
