@@ -61,11 +61,12 @@ print(json.dumps({"compiled": kernels.stats.compiled, "loaded": kernels.stats.lo
 # ---------------------------------------------------------------------------- helpers
 
 def make_env(cache_dir, **over) -> dict:
-    """os.environ for a child: its own cache dir, no inherited ASSERT_WARM / CACHE switches.
+    """os.environ for a child: its own cache dir, no inherited ASSERT_WARM / CACHE switches, and
+    no manifest recording (its kernels land in its private cache, not the suite's).
 
     Keyword values override variables; None removes one."""
     env = dict(os.environ)
-    for k in ("FUCINA_ASSERT_WARM", "FUCINA_CACHE"):
+    for k in ("FUCINA_ASSERT_WARM", "FUCINA_CACHE", "FUCINA_RECORD_MANIFEST"):
         env.pop(k, None)
     env["FUCINA_CACHE_DIR"] = str(cache_dir)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
