@@ -11,6 +11,8 @@ pooled tensor (the one documented place where numpy computes op values).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import functools
 import os
 import sys
@@ -24,12 +26,17 @@ from ..elemental import ElementalFallbackWarning
 from ..errors import DTypeError, ShapeMismatch
 from ..exec import elementwise as ew
 from .elementwise import aligned, unbroadcast
+from .checks import same_ctx
 from .engine import finish_op
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fucina/
 _warned: set = set()
 
+
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
 
 def op_name(op) -> str:
     """The op's name for messages and the once-per-op warning: its class (or module) name."""
@@ -179,3 +186,21 @@ def _binary_grads(ka, kb, saved, g):
     ga = None if ka is None else unbroadcast(ctx, ka.run(ctx, shape, operands), tags, xt, xs)
     gb = None if kb is None else unbroadcast(ctx, kb.run(ctx, shape, operands), tags, yt, ys)
     return ga, gb
+
+
+class ElementalMethods:
+    """Tensor methods for user scalar ops (SPEC §3.5)."""
+
+    __slots__ = ()
+
+    # ---- user scalar ops (SPEC §3.5) ----
+    def elemental_unary(self, op, extra=None):
+        """op.forward(x, extra) and op.backward(x, y, gy, extra) -> dL/dx, traced into kernels."""
+        self._live("elemental_unary")
+        return self._result(*elemental_unary(self, op, extra))
+
+    def elemental_binary(self, other: "Tensor", op, extra=None):
+        """op.forward(a, b, extra), op.backward_a / backward_b(a, b, y, gy, extra); A-2 broadcast."""
+        self._live("elemental_binary")
+        same_ctx("elemental_binary", self, other)
+        return self._result(*elemental_binary(self, other, op, extra))

@@ -2,12 +2,21 @@
 layer, then one finish_op tail that records the VJP when an operand requires grad."""
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
+
 import functools
 
 from .. import axes
 from ..exec import elementwise as ew
 from ..exec import reduce as red
-from ..errors import GradientCastUnsupported
+from ..errors import ContextMismatch, DTypeError, GradientCastUnsupported
+from ..exec.dtypes import check as check_dtype
+from ..exec.raw import RawTensor
+from ..runtime import _rt
+from . import engine
+from .checks import real
 from .engine import finish_op, needs_graph
 
 
@@ -143,3 +152,192 @@ def aligned(op: str, x, y):
     tags, shape, lmap, rmap = axes.pointwise(op, x.tags, a.shape, y.tags, b.shape)
     return (tags, shape, a.view(shape, axes.aligned_strides(lmap, shape, a.shape, a.strides)),
             b.view(shape, axes.aligned_strides(rmap, shape, b.shape, b.strides)))
+
+
+# (op, layout, other layout | reflected, tags, other tags | scalar type) ->
+# (out layout, out tags, kernel, chunks, cost, argument tail, aligned layout of each operand or None)
+_PLANS: dict = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def _bits(x) -> int:
+    return ew.f32_bits(float(x))
+
+
+UNARY = ("exp", "log", "tanh", "sigmoid", "relu", "neg", "sqrt")
+
+
+class ElementwiseMethods:
+    """Tensor methods of the elementwise family (SPEC §3.1–§3.3, R-10 casts)."""
+
+    __slots__ = ()
+
+    # ---- pointwise binary (A-2 broadcasting by name) ----
+    def _binary(self, op: str, other, reflected: bool = False):
+        """The per-op fast path: a remembered plan for these interned layouts and tags, then
+        alloc + launch (+ a node when an operand requires grad, + adoption under a scope).
+        Everything that can fail was checked when the plan was made (in _binary_slow)."""
+        a = self._raw
+        if a is None:
+            return self._binary_slow(op, other, reflected)
+        ctx = a.ctx
+        if type(other) is type(self):
+            b = other._raw
+            p = _PLANS.get((op, a.lay, None if b is None else b.lay, self.tags, other.tags))
+            if p is None or b.ctx is not ctx or ctx.closed:
+                return self._binary_slow(op, other, reflected)
+            lay, tags, addr, nch, cost, tail, la, lb = p
+            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
+                       out.addr, a.addr, b.addr, *tail)
+            na, nb = self._node, other._node
+            node = None
+            if (na is not None or nb is not None) and engine.is_grad_enabled():
+                if lay.dtype != "f32":
+                    return self._binary_slow(op, other, reflected)
+                va = a if la is None else RawTensor(a.buf, la, a.offset, ctx)
+                vb = b if lb is None else RawTensor(b.buf, lb, b.offset, ctx)
+                saved = (op, ctx, tags, lay.shape, va, vb, out, self.tags, a.lay.shape,
+                         other.tags, b.lay.shape)
+                node = engine.Node(op, (na, nb), functools.partial(
+                    binary_grads, saved, (na is not None, nb is not None)))
+        elif type(other) is float or type(other) is int:
+            p = _PLANS.get((op, a.lay, reflected, self.tags, type(other)))
+            if p is None or ctx.closed or (self._node is not None and engine.is_grad_enabled()):
+                return self._binary_slow(op, other, reflected)
+            lay, tags, addr, nch, cost, tail, _, _ = p
+            bits = _bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
+            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            x, y = (bits, a.addr) if reflected else (a.addr, bits)
+            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
+                       out.addr, x, y, *tail)
+            node = None
+        else:
+            return self._binary_slow(op, other, reflected)
+        t = type(self)(out, tags, node)
+        if ctx.scopes and (node is not None or lay.dtype == "f32"):
+            t._scope = ctx.scopes[-1]
+            ctx.adopt(t)
+        return t
+
+    def _binary_slow(self, op: str, other, reflected: bool):
+        """Validate, run (recording a node if needed), and remember the plan for the fast path."""
+        a = self._live(op)
+        if isinstance(other, type(self)):
+            b = other._live(op)
+            if b.ctx is not a.ctx:
+                raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
+            tags, shape, va, vb = aligned(op, self, other)
+            out, tags, node = binary(op, self, other, tags, shape, va, vb)
+            addr, nch, cost, tail = ew.plan_of(op, out.dtype, shape, (va, vb))
+            _PLANS[(op, a.lay, b.lay, self.tags, other.tags)] = (
+                out.lay, tags, addr, nch, cost, tail, None if va is a else va.lay,
+                None if vb is b else vb.lay)
+            return self._result(out, tags, node)
+        if isinstance(other, numbers.Real) and not isinstance(other, bool):
+            if a.dtype == "i64" and not isinstance(other, numbers.Integral):
+                raise DTypeError(f"{op}: expected an integer scalar for an i64 tensor, got {other!r}")
+            out, tags, node = with_scalar(op, self, other, reflected)
+            if type(other) in (float, int):
+                operands = (other, a) if reflected else (a, other)
+                addr, nch, cost, tail = ew.plan_of(op, out.dtype, a.shape, operands)
+                _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (
+                    out.lay, tags, addr, nch, cost, tail, None, None)
+            return self._result(out, tags, node)
+        raise TypeError(f"{op}: expected a Tensor or a real number as the other operand, "
+                        f"got {type(other).__name__}")
+
+    def add(self, other):
+        return self._binary("add", other)
+
+    def sub(self, other):
+        return self._binary("sub", other)
+
+    def mul(self, other):
+        return self._binary("mul", other)
+
+    def div(self, other):
+        return self._binary("div", other)
+
+    def maximum(self, other):
+        return self._binary("maximum", other)
+
+    def minimum(self, other):
+        return self._binary("minimum", other)
+
+    def pow(self, other):
+        return self._binary("pow", other)
+
+    __add__ = add
+    __sub__ = sub
+    __mul__ = mul
+    __truediv__ = div
+    __pow__ = pow
+
+    def __radd__(self, other):
+        return self._binary("add", other, reflected=True)
+
+    def __rsub__(self, other):
+        return self._binary("sub", other, reflected=True)
+
+    def __rmul__(self, other):
+        return self._binary("mul", other, reflected=True)
+
+    def __rtruediv__(self, other):
+        return self._binary("div", other, reflected=True)
+
+    def __rpow__(self, other):
+        return self._binary("pow", other, reflected=True)
+
+    def __neg__(self):
+        return self.neg()
+
+    # ---- scalar variants (SPEC §3.2) ----
+    def scale(self, s: float):
+        return self._binary("mul", real("scale", s))
+
+    def add_scalar(self, s: float):
+        return self._binary("add", real("add_scalar", s))
+
+    def sub_scalar(self, s: float):
+        return self._binary("add", -real("sub_scalar", s))
+
+    def div_scalar(self, s: float):
+        """scale(1/s) with 1/s computed in float32, as the reference does."""
+        return self._binary("mul", float(np.float32(1.0) / np.float32(real("div_scalar", s))))
+
+    def pow_scalar(self, e: float):
+        return self._binary("pow", real("pow_scalar", e))
+
+    # ---- unary ----
+    def unary(self, op: str):
+        if op not in UNARY:
+            raise ValueError(f"unary: expected one of {UNARY}, got {op!r}")
+        self._live(op)
+        return self._result(*unary(op, self))
+
+    def exp(self):
+        return self.unary("exp")
+
+    def log(self):
+        return self.unary("log")
+
+    def tanh(self):
+        return self.unary("tanh")
+
+    def sigmoid(self):
+        return self.unary("sigmoid")
+
+    def relu(self):
+        return self.unary("relu")
+
+    def neg(self):
+        return self.unary("neg")
+
+    def sqrt(self):
+        return self.unary("sqrt")
+
+    def to(self, dtype: str):
+        """A copy in `dtype` (f32 <-> f16/bf16 with R-9 rounding, differentiable; same dtype copies)."""
+        self._live("to")
+        return self._result(*cast(self, check_dtype(dtype, "to")))

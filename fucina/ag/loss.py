@@ -93,3 +93,18 @@ def _contig(shape):
     from ..exec.raw import contiguous_strides
 
     return contiguous_strides(tuple(shape))
+
+
+class LossMethods:
+    """Tensor methods of the loss family (SPEC §3.14)."""
+
+    __slots__ = ()
+
+    # ---- losses (SPEC §3.14) ----
+    def cross_entropy(self, class_tag: str, labels, *, ignore_index=None, reduction: str = "mean",
+                      label_smoothing: float = 0.0):
+        """Fused log-softmax + NLL over `class_tag`; labels one per remaining position."""
+        return self._result(*cross_entropy(self, class_tag, labels, ignore_index,
+                                                    reduction, label_smoothing))
+
+    cross_entropy_ext = cross_entropy

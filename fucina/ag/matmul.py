@@ -3,6 +3,8 @@ matmul kinds, add_dot. Backward is the einsum closure: each operand's gradient i
 einsum of the upstream gradient with the other operand, so both stay on the GEMM."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import functools
 
 from .. import axes
@@ -11,8 +13,13 @@ from ..exec import einsum as es
 from ..exec import elementwise as ew
 from ..exec import reduce as red
 from ..exec.matmul import gemm
+from .checks import same_ctx
 from .engine import finish_op, needs_graph
 
+
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
 
 def _check_dtypes(op, x, y):
     if x._raw.dtype != "f32":
@@ -180,3 +187,38 @@ def _add_dot_grads(saved, needs, g):
     return (g if needs[0] else None,
             gemm(ctx, g, _t(b)) if needs[1] else None,
             gemm(ctx, _t(a), g) if needs[2] else None)
+
+
+class MatmulMethods:
+    """Tensor methods of the contraction family (SPEC A-4…A-9)."""
+
+    __slots__ = ()
+
+    # ---- contractions (A-4…A-9) ----
+    def _einsum(self, other, out_tags, op="einsum"):
+        self._live(op)
+        same_ctx(op, self, other)
+        return self._result(*einsum(self, other, out_tags, op))
+
+    def einsum(self, other: "Tensor", out_tags):
+        """result[out_tags] = sum over every other tag of self * other (A-5)."""
+        return self._einsum(other, out_tags)
+
+    def dot(self, other: "Tensor", tag: str):
+        """Contract `tag`; result tags: batch + left free + right free (A-4)."""
+        self._live("dot")
+        same_ctx("dot", self, other)
+        return self._result(*dot(self, other, tag))
+
+    def matmul(self, other: "Tensor", kind: str, out_tags):
+        """A-7: plain / trans_a / trans_b on the storage order, bypassing the tag algebra."""
+        self._live("matmul")
+        same_ctx("matmul", self, other)
+        return self._result(*matmul(self, other, kind, out_tags))
+
+    def add_dot(self, a: "Tensor", b: "Tensor", tag: str):
+        """A-9: self + a·b (addmm)."""
+        self._live("add_dot")
+        same_ctx("add_dot", self, a)
+        same_ctx("add_dot", self, b)
+        return self._result(*add_dot(self, a, b, tag))

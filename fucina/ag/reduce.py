@@ -6,6 +6,7 @@ import numpy as np
 
 from ..exec import elementwise as ew
 from ..exec import reduce as red
+from .. import axes
 from .engine import finish_op
 
 
@@ -51,3 +52,36 @@ def reduce_all(op: str, x, mean: bool = False):
         return run
 
     return finish_op("mean_all" if mean else "sum_all", out, (), (x,), vjp)
+
+
+class ReduceMethods:
+    """Tensor methods of the reduction family (SPEC §3.8, A-3)."""
+
+    __slots__ = ()
+
+    # ---- reductions (A-3) ----
+    def _reduce(self, op: str, tag: str, mean: bool = False):
+        name = "mean" if mean else op
+        self._live(name)
+        ax, tags = axes.reduced(self.tags, tag, name)
+        return self._result(*reduce_axis(op, self, ax, tags, mean))
+
+    def sum(self, tag: str):
+        return self._reduce("sum", tag)
+
+    def mean(self, tag: str):
+        return self._reduce("sum", tag, mean=True)
+
+    def max(self, tag: str):
+        return self._reduce("max", tag)
+
+    def min(self, tag: str):
+        return self._reduce("min", tag)
+
+    def sum_all(self):
+        self._live("sum_all")
+        return self._result(*reduce_all("sum", self))
+
+    def mean_all(self):
+        self._live("mean_all")
+        return self._result(*reduce_all("sum", self, mean=True))
