@@ -13,17 +13,19 @@ from ..exec import elementwise as ew
 from . import custom as agcustom
 from . import engine
 from . import matmul as agmm
+from .activations import ActivationMethods
 from .checks import same_ctx
 from .elemental import ElementalMethods
 from .elementwise import ElementwiseMethods
 from .loss import LossMethods
+from .masks import MaskMethods
 from .matmul import MatmulMethods
 from .reduce import ReduceMethods
 from .shape import ShapeMethods
 
 
-class Tensor(ElementwiseMethods, ReduceMethods, MatmulMethods, LossMethods, ShapeMethods,
-             ElementalMethods):
+class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
+             ShapeMethods, MaskMethods, ElementalMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in

@@ -21,39 +21,12 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from . import activations, masks
 from . import irutil as u
+from .emit import nan_max, nan_min
 from .vpow import pow as _pow
 from .kernels import KernelKey, register
 from .target import host
-
-
-def _nan_max(b, x, y):
-    """NaN-propagating maximum: a NaN in either operand wins (not IEEE maxNum)."""
-    pick = b.select(b.fcmp_unordered("uno", x, x), x, b.select(b.fcmp_ordered(">=", x, y), x, y))
-    return b.select(b.fcmp_unordered("uno", y, y), y, pick)
-
-
-def _nan_min(b, x, y):
-    pick = b.select(b.fcmp_unordered("uno", x, x), x, b.select(b.fcmp_ordered("<=", x, y), x, y))
-    return b.select(b.fcmp_unordered("uno", y, y), y, pick)
-
-
-def _relu(b, x):
-    """x > 0 ? x : 0 — NaN maps to 0 (SPEC §3.3)."""
-    return b.select(b.fcmp_ordered(">", x, u.const(x.type, 0.0)), x, u.const(x.type, 0.0))
-
-
-def _vm(name):
-    """A vector-math function, imported when a kernel is built (not when keys are made)."""
-    def emit(b, x):
-        from . import vmath
-
-        return getattr(vmath, name)(b, x)
-    return emit
-
-
-def _sqrt(b, x):
-    return u.intrinsic(b, "llvm.sqrt", x.type, [x])
 
 
 def _pick(b, g, idx, pos):
@@ -83,28 +56,17 @@ def _pow_grad_exp(b, g, x, y):
     return b.select(b.fcmp_ordered("==", x, u.const(x.type, 0.0)), u.const(x.type, 0.0), d)
 
 
-FLOAT_OPS = {
+ARITHMETIC = {
     "copy": (1, lambda b, x: x),
     "neg": (1, lambda b, x: b.fneg(x)),
-    "relu": (1, _relu),
-    "sqrt": (1, _sqrt),
-    "exp": (1, _vm("exp")),
-    "log": (1, _vm("log")),
-    "tanh": (1, _vm("tanh")),
-    "sigmoid": (1, _vm("sigmoid")),
     "add": (2, lambda b, x, y: b.fadd(x, y)),
     "sub": (2, lambda b, x, y: b.fsub(x, y)),
     "mul": (2, lambda b, x, y: b.fmul(x, y)),
     "div": (2, lambda b, x, y: b.fdiv(x, y)),
-    "maximum": (2, _nan_max),
-    "minimum": (2, _nan_min),
+    "maximum": (2, nan_max),
+    "minimum": (2, nan_min),
     "pow": (2, _pow),
-    # backward rules (g first): y is the forward output, x the input
-    "relu_grad": (2, lambda b, g, x: b.select(b.fcmp_ordered(">", x, u.const(x.type, 0.0)), g,
-                                              u.const(g.type, 0.0))),
-    "tanh_grad": (2, lambda b, g, y: b.fmul(g, b.fsub(u.const(y.type, 1.0), b.fmul(y, y)))),
-    "sigmoid_grad": (2, lambda b, g, y: b.fmul(g, b.fmul(y, b.fsub(u.const(y.type, 1.0), y)))),
-    "sqrt_grad": (2, lambda b, g, y: b.fmul(g, b.fdiv(u.const(y.type, 0.5), y))),
+    # backward rules (g first)
     "div_grad_b": (3, lambda b, g, x, y: b.fneg(b.fdiv(b.fmul(g, x), b.fmul(y, y)))),
     "maximum_grad": (3, _tie_grad(">")),
     "minimum_grad": (3, _tie_grad("<")),
@@ -112,6 +74,9 @@ FLOAT_OPS = {
     "pow_grad_exp": (3, _pow_grad_exp),
     "pick": (3, _pick),
 }
+
+# every float op: arithmetic here, activations and masks in their own modules
+FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **masks.OPS}
 
 INT_OPS = {
     "copy": (1, lambda b, x: x),
@@ -130,6 +95,12 @@ def op_table(compute_dtype: str, op: str = "") -> dict:
 
         return {op: op_entry(op)}
     return INT_OPS if compute_dtype in ("i64", "bool") else FLOAT_OPS
+
+
+def domain(in_dtypes) -> str:
+    """Which table an op comes from: the compute dtype of the first non-bool input (a bool
+    condition or mask does not make `where` an integer op)."""
+    return next((compute_dtype(d) for d in in_dtypes if d != "bool"), "bool")
 
 
 def compute_dtype(dtype: str) -> str:
@@ -154,7 +125,7 @@ class ElementwiseKey(KernelKey):
 def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
     mod, b, args, c0, c1 = u.kernel(symbol)
     k, r = len(key.roles), key.rank
-    cdt = compute_dtype(key.in_dtypes[0])
+    cdt = domain(key.in_dtypes)
     arity, fn = op_table(cdt, key.op)[key.op]
     assert arity == k, (key.op, k)
     ctype = u.COMPUTE[cdt]

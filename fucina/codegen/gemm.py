@@ -1,31 +1,34 @@
 """GEMM kernels: packed panels, a register-blocked micro-kernel, cache blocking, a fixed k order.
 
 The exec layer (fucina/exec/matmul.py) views the operands as a[batch, M, K], b[batch, K, N]
-with arbitrary element strides and computes a contiguous c[batch, M, N] in two launches:
+with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Three families:
 
-  gemm_pack  copies A into row panels of MR rows and B into column panels of NR columns, in
-             f32 (f16 / bf16 widen exactly on the way). Panel layout, per packed batch:
+  gemm_pack  copies an operand into panels of `width` rows (A: MR rows of a; B: NR columns of
+             b), in f32 (f16 / bf16 widen exactly on the way). Panel layout, per packed batch:
                  P[kb][panel][k - kb*KC][w]        (w = 0 .. width-1, zero beyond the edge)
              i.e. for each KC block of k the panels follow each other, and inside a panel the
              `width` values of one k are contiguous. Three copy loops, chosen by the strides:
                wvec — unit stride along the panel width: vector loads along w;
-               kvec — unit stride along k (a transposed operand): 16x16 register transposes;
+               kvec — unit stride along k (a transposed operand): W x W register transposes;
                any  — scalar loads.
   gemm_tile  one chunk = one (batch, MC-row block, NC-column block) tile of C. For each KC
              block in increasing order, for each NR panel of the tile's columns, for each MR
-             panel of its rows: MR x NR accumulators (MR * NR/16 zmm registers) run one FMA
-             chain per output element over k in increasing order, starting from the partial
-             sum of the previous KC block (reloaded from memory: storing and reloading an f32
-             does not change it). So every c[i, j] = fma(a[i,K-1], b[K-1,j], ... fma(a[i,0],
-             b[0,j], 0)) in that order whatever MC, NC or the thread count, and the chunk grid
-             is fixed by the problem size: results are bitwise identical for any thread count.
+             panel of its rows: MR x NR accumulators (MR * NR/W vector registers; 14 x 2 zmm on
+             AVX-512, FMAs with broadcasts from packed A and vector loads from packed B) run one
+             FMA chain per output element over k in increasing order, starting from the
+             partial sum of the previous KC block (reloaded from memory: storing and reloading
+             an f32 does not change it). So every c[i, j] = fma(a[i,K-1], b[K-1,j], ...
+             fma(a[i,0], b[0,j], 0)) in that order whatever MC, NC or the thread count, and the
+             chunk grid is fixed by the problem size: bitwise identical for any thread count.
              With `accumulate` the chain's result is added to c in one final rounding
              (c = c + sum); partial sums of earlier KC blocks then live in a scratch buffer.
+  gemm_small direct kernels, no packing of A, for shapes where packing costs more than it
+             saves: `rowvec` (few rows of C, or b small enough for L2) runs the very same FMA
+             chain per element as gemm_tile — the two give identical bits; `dot` (a and b
+             contiguous along k: x·Wᵀ for one token, skinny outputs) sums each element in W
+             lanes and folds them by a fixed tree. See GemmSmallKey.
 
-  gemm_small a direct kernel for shapes where packing costs more than it saves (few rows
-             of C, short K, tiny problems): see its docstring.
-
-Argument blocks are documented at each builder.
+Argument blocks are documented at each key.
 """
 from __future__ import annotations
 
@@ -37,14 +40,21 @@ from . import irutil as u
 from .kernels import KernelKey, register
 from .target import host
 
-# ---- blocking constants (the generator's, not the key's: they are runtime arguments) --------
-MR = 14          # rows of the micro-tile (broadcasts from packed A)
+# ---- micro-tile and packing constants (MC, NC, KC are runtime arguments: see exec/matmul.py) --
 NR_VECS = 2      # vectors across the micro-tile (NR = NR_VECS * lanes columns)
 UNROLL = 4       # k steps per iteration of the micro-kernel's inner loop
+PF_ROWS = 8      # packing along rows far apart (wvec): prefetch this many rows ahead ...
+PF_K = 256       # ... along k-contiguous rows (kvec): this many elements ahead
 
 
 def lanes() -> int:
     return host().f32_lanes
+
+
+def mr() -> int:
+    """Rows of the micro-tile: MR x NR_VECS accumulators + NR_VECS B vectors + a broadcast
+    fill the 32 zmm registers of AVX-512 (14 x 2 + 2 + 1); 16 registers elsewhere (6 x 2)."""
+    return 14 if host().vector_bits >= 512 else 6
 
 
 def nr() -> int:
@@ -69,11 +79,18 @@ def _zero_mask(W):
     return ir.Constant(ir.VectorType(u.I1, W), [ir.Constant(u.I1, 0)] * W)
 
 
+def _prefetch(b, base, index, dtype):
+    """Prefetch the cache line holding base[index] (a read, into all cache levels)."""
+    p = b.gep(base, [index], source_etype=u.STORAGE[dtype])
+    i32 = lambda v: ir.Constant(u.I32, v)  # noqa: E731
+    u.intrinsic(b, "llvm.prefetch", u.VOID, [p, i32(0), i32(3), i32(1)], types=[u.PTR])
+
+
 def _fma(b, x, y, z):
     return u.intrinsic(b, "llvm.fma", z.type, [x, y, z])
 
 
-def transpose16(b, rows):
+def transpose(b, rows):
     """Transpose a square block held as len(rows) vectors of len(rows) lanes (a power of two):
     swap the off-diagonal s x s sub-blocks for s = n/2, n/4, ..., 1."""
     n = len(rows)
@@ -114,9 +131,10 @@ class GemmPackKey(KernelKey):
     """Copy an operand into panels of `width` along its free axis (see the module docstring).
 
     Arguments: 0 src, 1 dst, 2 rows (extent along the panel width), 3 K, 4 s_w, 5 s_k, 6 KC,
-    7 panels, 8 panels per chunk, 9 chunks per packed batch, 10 d1, 11 d2, 12 bs0, 13 bs1,
-    14 bs2 (batch decomposition and strides of the source), 15 dst batch stride (floats).
-    Chunk c packs panels [g*per, (g+1)*per) of packed batch c / groups, g = c % groups.
+    7 panels, 8 panels per chunk, 9 panel groups, 10 d1, 11 d2, 12 bs0, 13 bs1, 14 bs2 (batch
+    decomposition and strides of the source), 15 dst batch stride (floats).
+    Chunk c = ((pb * KC blocks) + kb) * groups + g packs KC block kb of panels
+    [g*per, (g+1)*per) of packed batch pb.
     """
     family = "gemm_pack"
     dtype: str    # source storage dtype: f32 | f16 | bf16
@@ -137,54 +155,68 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
         u.arg(b, args, i) for i in range(2, 16))
     ppad = b.mul(npan, u.i64(Wp))
     nvec = -(-Wp // W)
+    nkb = b.sdiv(b.add(K, b.sub(KC, u.i64(1))), KC)
     with u.Loop(b, c0, c1, 1, "q") as q:
         grp = b.srem(q, ngroups)
-        pb = b.sdiv(q, ngroups)
+        t = b.sdiv(q, ngroups)
+        kb = b.srem(t, nkb)
+        pb = b.sdiv(t, nkb)
         p0 = b.mul(grp, per)
         p1 = u.smin(b, b.add(p0, per), npan)
         sbat = _batch_offset(b, pb, d1, d2, bs0, bs1, bs2)
         dbase = b.mul(pb, dstride)
-        with u.Loop(b, u.i64(0), K, KC, "k0") as k0:
-            kcl = u.smin(b, KC, b.sub(K, k0))
-            blk = b.add(dbase, b.mul(k0, ppad))      # this KC block of the packed batch
-            pstride = b.mul(kcl, u.i64(Wp))            # floats per panel in the block
-            sk0 = b.add(sbat, b.mul(k0, s_k))
-            if key.mode == "wvec":
-                # row by row over the group's panels: reads run along contiguous memory
+        k0 = b.mul(kb, KC)
+        kcl = u.smin(b, KC, b.sub(K, k0))
+        blk = b.add(dbase, b.mul(k0, ppad))      # this KC block of the packed batch
+        pstride = b.mul(kcl, u.i64(Wp))            # floats per panel in the block
+        sk0 = b.add(sbat, b.mul(k0, s_k))
+        if key.mode == "wvec":
+            # a few panels side by side, row by row: each source row piece spans >= 4 whole
+            # cache lines, and only that many write streams are open at once (the panels of a
+            # block lie a multiple of 4 KiB apart: more streams would thrash L1 sets)
+            sub = max(1, -(-(4 * W) // Wp))
+            with u.Loop(b, p0, p1, sub, "sg") as sg:
+                sg1 = u.smin(b, b.add(sg, u.i64(sub)), p1)
                 with u.Loop(b, u.i64(0), kcl, 1, "k") as k:
                     srow = b.add(sk0, b.mul(k, s_k))
                     drow = b.add(blk, b.mul(k, u.i64(Wp)))
-                    with u.Loop(b, p0, p1, 1, "p") as p:
+                    # the same piece PF_ROWS rows on (rows are far apart: no HW prefetch)
+                    ahead = b.add(b.add(srow, b.mul(u.i64(PF_ROWS), s_k)), b.mul(sg, u.i64(Wp)))
+                    for line in range(-(-(sub * Wp * u.ITEMSIZE[dt]) // 64)):
+                        _prefetch(b, src, b.add(ahead, u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
+                    with u.Loop(b, sg, sg1, 1, "p") as p:
                         w0 = b.mul(p, u.i64(Wp))
                         wvalid = b.sub(rows, w0)
                         for v in range(nvec):
                             m = _mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
                             x = u.load(b, src, b.add(srow, b.add(w0, u.i64(v * W))), dt, W, m)
                             sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
-                            u.store(b, x, dst, b.add(b.add(drow, b.mul(p, pstride)), u.i64(v * W)),
-                                    "f32", sm)
-            else:
-                with u.Loop(b, p0, p1, 1, "p") as p:
-                    w0 = b.mul(p, u.i64(Wp))
-                    wvalid = u.smin(b, u.i64(Wp), b.sub(rows, w0))
-                    optr = b.gep(dst, [b.add(blk, b.mul(p, pstride))], source_etype=u.F32)
-                    iptr = b.gep(src, [b.add(sk0, b.mul(w0, s_w))], source_etype=u.STORAGE[dt])
-                    if key.mode == "kvec":
-                        _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W)
-                    else:
-                        _pack_any(b, iptr, optr, kcl, wvalid, s_w, s_k, Wp, dt)
+                            u.store(b, x, dst, b.add(b.add(drow, b.mul(p, pstride)),
+                                                     u.i64(v * W)), "f32", sm)
+        else:
+            with u.Loop(b, p0, p1, 1, "p") as p:
+                w0 = b.mul(p, u.i64(Wp))
+                wvalid = u.smin(b, u.i64(Wp), b.sub(rows, w0))
+                optr = b.gep(dst, [b.add(blk, b.mul(p, pstride))], source_etype=u.F32)
+                iptr = b.gep(src, [b.add(sk0, b.mul(w0, s_w))], source_etype=u.STORAGE[dt])
+                if key.mode == "kvec":
+                    _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W)
+                else:
+                    _pack_any(b, iptr, optr, kcl, wvalid, s_w, s_k, Wp, dt)
     b.ret_void()
     return mod
 
 
 def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
-    """Unit stride along k: groups of W panel rows x W consecutive k, loaded along k and
-    transposed in registers."""
+    """Unit stride along k: W panel rows x W consecutive k at a time, loaded along k and
+    transposed in registers; one group of W rows after the other (W read streams at once)."""
     nvec = -(-Wp // W)
-    with u.Loop(b, u.i64(0), kcl, W, "kt") as kt:
-        kn = u.smin(b, u.i64(W), b.sub(kcl, kt))
-        kmask = u.tail_mask(b, kn, W)
-        for g in range(nvec):
+    for g in range(nvec):
+        width_g = min(W, Wp - g * W)
+        sm = None if width_g == W else u.tail_mask(b, u.i64(width_g), W)
+        with u.Loop(b, u.i64(0), kcl, W, f"kt{g}") as kt:
+            kn = u.smin(b, u.i64(W), b.sub(kcl, kt))
+            kmask = u.tail_mask(b, kn, W)
             vecs = []
             for t in range(W):
                 w = g * W + t
@@ -192,10 +224,10 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
                     vecs.append(u.const(_vt(W), 0.0))
                     continue
                 m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, _zero_mask(W))
-                vecs.append(u.load(b, iptr, b.add(b.mul(u.i64(w), s_w), kt), dt, W, m))
-            cols = transpose16(b, vecs)
-            width_g = min(W, Wp - g * W)
-            sm = None if width_g == W else u.tail_mask(b, u.i64(width_g), W)
+                row = b.add(b.mul(u.i64(w), s_w), kt)
+                _prefetch(b, iptr, b.add(row, u.i64(PF_K)), dt)
+                vecs.append(u.load(b, iptr, row, dt, W, m))
+            cols = transpose(b, vecs)
             full = b.icmp_signed("==", kn, u.i64(W))
 
             def put(j):
@@ -233,13 +265,15 @@ class GemmTileKey(KernelKey):
     """C tiles from packed panels (see the module docstring).
 
     Arguments: 0 Ap, 1 Bp, 2 C, 3 Cpart, 4 M, 5 N, 6 K, 7 KC, 8 MC, 9 NC, 10 M blocks,
-    11 N blocks, 12 Ap batch stride, 13 Bp batch stride (floats; 0 = broadcast), 14 accumulate.
-    C is contiguous [batch, M, N]; Cpart (partial sums when accumulate and K > KC) likewise.
+    11 N blocks, 12 Ap batch stride, 13 Bp batch stride (floats; 0 = broadcast), 14 accumulate,
+    15 M blocks fastest (else N blocks fastest) in the chunk order. C is contiguous
+    [batch, M, N]; Cpart (partial sums when accumulate and K > KC) likewise.
     """
     family = "gemm_tile"
     mr: int
     nr_vecs: int
     unroll: int
+    pf_b: int = 0   # prefetch packed B this many k steps ahead (0: none)
 
     def ir(self, symbol: str) -> str:
         return str(_build_tile(self, symbol))
@@ -252,17 +286,21 @@ def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
     R, V, U = key.mr, key.nr_vecs, key.unroll
     NRc = V * W
     Ap, Bp, C, Cpart = (u.arg_ptr(b, args, i) for i in range(4))
-    M, N, K, KC, MC, NC, nmb, nnb, sAp, sBp, accflag = (u.arg(b, args, i) for i in range(4, 15))
+    M, N, K, KC, MC, NC, nmb, nnb, sAp, sBp, accflag, mfast = (
+        u.arg(b, args, i) for i in range(4, 16))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
     Np = b.mul(b.sdiv(b.add(N, u.i64(NRc - 1)), u.i64(NRc)), u.i64(NRc))
     accumulate = b.icmp_signed("!=", accflag, u.i64(0))
     accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
 
     with u.Loop(b, c0, c1, 1, "c") as c:
-        nb = b.srem(c, nnb)
-        t = b.sdiv(c, nnb)
-        mb = b.srem(t, nmb)
-        bt = b.sdiv(t, nmb)
+        # consecutive chunks share the block of the bigger operand (it streams from memory
+        # once; the smaller one is re-read from cache): N blocks fastest, or M blocks
+        by_m = b.icmp_signed("!=", mfast, u.i64(0))
+        bt = b.sdiv(c, b.mul(nmb, nnb))
+        t = b.srem(c, b.mul(nmb, nnb))
+        mb = b.select(by_m, b.srem(t, nmb), b.sdiv(t, nnb))
+        nb = b.select(by_m, b.sdiv(t, nmb), b.srem(t, nnb))
         row0 = b.mul(mb, MC)
         row1 = u.smin(b, b.add(row0, MC), M)
         col0 = b.mul(nb, NC)
@@ -326,6 +364,12 @@ def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
                     with u.Loop(b, u.i64(0), kmain, U, "k") as k:
                         for s in range(U):
                             step(b.add(k, u.i64(s)))
+                        if key.pf_b:
+                            # B comes from far memory on the first pass over a panel (the next
+                            # 4 KiB page is beyond the hardware prefetcher): fetch ahead
+                            ahead = b.mul(b.add(k, u.i64(key.pf_b)), u.i64(NRc))
+                            for line in range(U * NRc * 4 // 64):
+                                _prefetch(b, bp, b.add(ahead, u.i64(line * 16)), "f32")
                     with u.Loop(b, kmain, kcl, 1, "kr") as k:
                         step(k)
 
@@ -346,19 +390,22 @@ def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
 @register
 @dataclass(frozen=True)
 class GemmSmallKey(KernelKey):
-    """C computed straight from the operands, no packing: for few rows of C (GEMV), short
-    problems, and skinny outputs with both operands contiguous along k.
+    """C computed straight from the operands, no packing of A: for few rows of C (GEMV),
+    problems whose b fits in L2, and skinny outputs with both operands contiguous along k.
 
-      rowvec — b has unit stride along n: each item is `rm` rows x `rn` vectors of C; for k in
-               increasing order, acc = fma(a[i,k], b[k, j..j+W], acc) — the same FMA chain per
-               element as the packed path.
+      rowvec — b has unit stride along n (as given, or packed into column blocks of rn*W
+               first): each item is `rm` rows x `rn` vectors of C; for k in increasing order,
+               acc = fma(a[i,k], b[k, j..j+W], acc) — the same FMA chain per element as the
+               packed path, so the two give the same bits.
       dot    — a and b have unit stride along k: each item is `rm` rows x `rn` columns of C;
                lane t of an accumulator sums k = t, t+W, ... in increasing order (one FMA
                chain, a masked tail last), then a fixed halving tree folds the lanes.
 
-    Arguments: 0 a, 1 b, 2 c, 3 M, 4 N, 5 K, 6 s_am, 7 s_ak, 8 s_bk, 9 s_bn, 10 d1, 11 d2,
-    12..14 a batch strides, 15..17 b batch strides, 18 accumulate, 19 items per chunk,
-    20 row groups, 21 column blocks, 22 batches. C is contiguous [batch, M, N].
+    Arguments: 0 a, 1 b, 2 c, 3 M, 4 N, 5 K, 6 s_am, 7 s_ak, 8 s_bk, 9 s_bn (rowvec: the
+    distance between consecutive column blocks of rn*W columns), 10 d1, 11 d2, 12..14 a batch
+    strides, 15..17 b batch strides, 18 accumulate, 19 items per chunk, 20 row groups,
+    21 column blocks, 22 batches. C is contiguous [batch, M, N]. Items run row groups
+    fastest, so consecutive items reuse one block of b.
     """
     family = "gemm_small"
     b_dtype: str
@@ -393,15 +440,12 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
     items = b.mul(nbatch, b.mul(nrg, ncb))
     q0 = b.mul(c0, per)
     q1 = u.smin(b, b.mul(c1, per), items)
-    if key.mode == "rowvec":
-        accs = [[u.entry_alloca(b, vt) for _ in range(RN)] for _ in range(RM)]
-    else:
-        accs = [[u.entry_alloca(b, vt) for _ in range(RN)] for _ in range(RM)]
+    accs = [[u.entry_alloca(b, vt) for _ in range(RN)] for _ in range(RM)]
     with u.Loop(b, q0, q1, 1, "q") as q:
-        cb = b.srem(q, ncb)
-        t = b.sdiv(q, ncb)
-        rg = b.srem(t, nrg)
-        bt = b.sdiv(t, nrg)
+        rg = b.srem(q, nrg)         # row groups fastest: consecutive items reuse b's block
+        t = b.sdiv(q, nrg)
+        cb = b.srem(t, ncb)
+        bt = b.sdiv(t, ncb)
         aoff = _batch_offset(b, bt, d1, d2, as0, as1, as2)
         boff = _batch_offset(b, bt, d1, d2, bs0, bs1, bs2)
         coff = b.mul(bt, b.mul(M, N))
@@ -417,15 +461,26 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
             j0 = b.mul(cb, u.i64(RN * W))
             nvalid = b.sub(N, j0)
             cm = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(RN)]
-            bcol = b.add(boff, b.mul(j0, s_bn))
-            with u.Loop(b, u.i64(0), K, 1, "k") as k:
-                brow = b.add(bcol, b.mul(k, s_bk))
-                bv = [u.load(b, B, b.add(brow, u.i64(v * W)), bdt, W, cm[v]) for v in range(RN)]
-                ka = b.mul(k, s_ak)
-                for r in range(RM):
-                    av = u.splat(b, u.load(b, A, b.add(arow[r], ka), "f32"), W)
-                    for v in range(RN):
-                        b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
+            bcol = b.add(boff, b.mul(cb, s_bn))   # s_bn: the distance between column blocks
+
+            def kloop(masked):
+                with u.Loop(b, u.i64(0), K, 1, "k") as k:
+                    brow = b.add(bcol, b.mul(k, s_bk))
+                    bv = [u.load(b, B, b.add(brow, u.i64(v * W)), bdt, W, cm[v] if masked else None)
+                          for v in range(RN)]
+                    ka = b.mul(k, s_ak)
+                    for r in range(RM):
+                        av = u.splat(b, u.load(b, A, b.add(arow[r], ka), "f32"), W)
+                        for v in range(RN):
+                            b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
+
+            # a full block loads b unmasked (RN masks would not fit the 8 mask registers);
+            # only the last, partial block of a row masks its loads
+            with b.if_else(b.icmp_signed(">=", nvalid, u.i64(RN * W))) as (full, edge):
+                with full:
+                    kloop(False)
+                with edge:
+                    kloop(True)
             for r in range(RM):
                 rowok = b.icmp_signed("<", u.i64(r), mvalid)
                 for v in range(RN):

@@ -171,6 +171,8 @@ def narrow(b, v, dtype: str):
     f32->bf16 the NaN-guarded RNE of SPEC R-9, in integer ops (the bf16 convert instruction
     flushes denormals, which the spec does not)."""
     lanes = v.type.count if isinstance(v.type, ir.VectorType) else None
+    if dtype == "bool" and (v.type == I1 or getattr(v.type, "element", None) == I1):
+        return b.zext(v, vec(I8, lanes))  # a comparison result stored as a 0/1 byte
     if dtype == "f16":
         return b.fptrunc(v, vec(F16, lanes))
     if dtype == "bf16":

@@ -14,7 +14,7 @@ from llvmlite import ir
 
 from . import irutil as u
 from . import vmath
-from .elementwise import _nan_max
+from .emit import nan_max
 from .kernels import KernelKey, register
 from .target import host
 
@@ -55,12 +55,12 @@ def _row_stats(b, base, K, W, mx, sx):
     vt = ir.VectorType(u.F32, W)
     for p in mx:
         b.store(u.const(vt, float("-inf")), p)
-    _row_pass(b, base, K, W, mx, lambda acc, v: _nan_max(b, acc, v), float("-inf"))
+    _row_pass(b, base, K, W, mx, lambda acc, v: nan_max(b, acc, v), float("-inf"))
     for p in sx:
         b.store(u.const(vt, 0.0), p)
     _row_pass(b, base, K, W, sx, lambda acc, v: b.fadd(acc, v), 0.0)
     sumx = _fold(b, sx, _add)
-    m = _fold(b, mx, _nan_max)
+    m = _fold(b, mx, nan_max)
     finite = b.fcmp_ordered("<", vmath.fabs(b, m), u.const(u.F32, float("inf")))
     m_shift = b.select(finite, m, u.const(u.F32, 0.0))
     ms = u.splat(b, m_shift, W)

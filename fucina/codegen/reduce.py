@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .elementwise import _nan_max, _nan_min
+from .emit import nan_max, nan_min
 from .kernels import KernelKey, register
 from .target import host
 
@@ -29,7 +29,7 @@ UNROLL = 4
 BLOCK = 2048  # outer reductions: columns per work item (8 KiB of f32 accumulators)
 
 IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
-COMBINE = {"sum": lambda b, x, y: b.fadd(x, y), "max": _nan_max, "min": _nan_min}
+COMBINE = {"sum": lambda b, x, y: b.fadd(x, y), "max": nan_max, "min": nan_min}
 
 
 @register

@@ -24,33 +24,42 @@ from ..codegen import kernels
 from ..errors import DTypeError, ShapeMismatch
 from .raw import RawTensor, numel
 
+PF_B = 32
 KC = 256                 # k block: a KC x NR panel of B stays in L1 across the MR panels of A
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
-PACK_CHUNK = 1 << 16     # floats packed per chunk
-SMALL_CHUNK = 1 << 15    # multiply-adds per chunk of the direct kernels
+PACK_CHUNK = 1 << 17     # floats packed per chunk (one KC block of a group of panels)
+SMALL_CHUNK = 1 << 19    # multiply-adds per chunk of the direct kernels (a few µs of work)
 SMALL_M = 4              # at most this many rows of C go the direct way (rowvec / dot)
-DOT_N = 16               # at most this many columns of C go the dot way (when K is long)
-DOT_MIN_K = 128
-TINY = 1 << 15           # M*N*K below this: no packing (rowvec) when b is contiguous along n
+DOT_N = 8                # at most this many columns of C go the dot way when K >= DOT_MIN_K,
+DOT_MIN_K = 16           # twice as many when K >= DOT_COPY_MIN_K; a b that is not contiguous
+DOT_COPY_MIN_K = 256     # along k is copied so first when N <= DOT_N and K >= DOT_COPY_MIN_K
+RV_RN, RV_ACC = 4, 16    # rowvec tile: up to RV_RN vectors across, RV_ACC accumulators ...
+RV_WIDE = 16             # ... or, for one or two rows of C, RV_WIDE / rows vectors across
+DOT_RN, DOT_ACC = 8, 24  # dot tile: up to DOT_RN columns, DOT_ACC accumulators
+RV_MAX_B = 1 << 18       # b up to this many elements (1 MiB f32, L2-sized): rowvec, A unpacked
 
 _plans: dict = {}
+A, B, C, S, P = range(5)  # pointer bases of a plan step
 
 
 class _Plan:
     """What one layout triple needs: the output shape, scratch sizes and the launches.
 
     Each step is (addr, n_chunks, cost, ptrs, tail): `ptrs` name the pointer arguments as
-    (base, byte offset) with base in "a", "b", "c", "s" (scratch), "p" (partial sums)."""
+    (base, byte offset) with base one of A, B, C, S (scratch), P (partial sums)."""
 
-    __slots__ = ("shape", "scratch", "partial", "steps", "bt_copy", "outer")
+    __slots__ = ("shape", "kind", "scratch", "partial", "steps", "b_copy", "outer",
+                 "direct")
 
     def __init__(self, shape):
         self.shape = shape
+        self.direct = None    # (addr, n, cost, tail) when the plan is one launch on (a, b, c)
+        self.kind = ""        # packed | rowvec [packed-b] | dot [copied-b] (tests, benchmarks)
         self.scratch = 0      # floats
         self.partial = 0      # floats (accumulate with more than one KC block)
         self.steps = []
-        self.bt_copy = False  # b must first be copied k-contiguous ([*batch, N, K]) for the dot path
+        self.b_copy = ""      # "nk": b is first copied contiguous as [*batch, N, K]
         self.outer = None     # leading batch axes run in Python: (shape, a strides, b strides)
 
 
@@ -91,19 +100,21 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
          accumulate: bool = False) -> RawTensor:
     """c[*batch, M, N] = a[*batch, M, K] · b[*batch, K, N] (f32 accumulate); into `out` if given;
     with accumulate=True, out += a·b — one final rounding per element after the full k-sum."""
-    op = "add_dot" if accumulate else "matmul"
-    pk = (a.lay, b.lay, accumulate)
-    plan = _plans.get(pk)
-    if plan is None or out is not None:
-        shape = _check(op, a, b, out)
-        if accumulate and out is None:
-            raise ValueError(f"{op}: accumulate=True needs out= (the tensor to add to)")
-        if plan is None:
-            plan = _plans[pk] = _make_plan(a, b, shape, accumulate)
-    ctx.check_open(op)
+    try:
+        plan = _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate)]
+    except (KeyError, AttributeError):
+        plan = _new_plan(a, b, out, accumulate)
+    if ctx.closed:
+        ctx.check_open("add_dot" if accumulate else "matmul")
     if out is None:
-        out = ctx.empty(plan.shape, "f32")
-    if plan.outer is None:
+        out = ctx.empty(plan.shape)
+    elif out.buf is a.buf or out.buf is b.buf:
+        raise ValueError(f"{'add_dot' if accumulate else 'matmul'}: operand out: expected a "
+                         f"buffer distinct from a's and b's")
+    if plan.direct is not None:        # one launch, no scratch: the common small case
+        addr, n, cost, tail = plan.direct
+        ctx.launch(addr, n, cost, a.addr, b.addr, out.addr, *tail)
+    elif plan.outer is None:
         _run(ctx, plan, a, b, out, 0, 0, 0)
     else:
         oshape, ast, bst = plan.outer
@@ -119,29 +130,48 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
     return out
 
 
+def _new_plan(a, b, out, accumulate) -> "_Plan":
+    op = "add_dot" if accumulate else "matmul"
+    shape = _check(op, a, b, out)
+    if accumulate and out is None:
+        raise ValueError(f"{op}: accumulate=True needs out= (the tensor to add to)")
+    plan = _make_plan(a, b, shape, accumulate)
+    _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate)] = plan
+    return plan
+
+
+def path_of(a: RawTensor, b: RawTensor) -> str:
+    """Which path gemm takes for these operands: packed | rowvec [packed-b] | dot [copied-b]
+    (+ " outer" when leading batch axes loop here), e.g. for tests and benchmarks."""
+    shape = _check("matmul", a, b, None)
+    plan = _make_plan(a, b, shape, False)
+    return plan.kind + (" outer" if plan.outer else "")
+
+
 def _run(ctx, plan, a, b, out, aoff, boff, coff):
-    base = {"a": a.addr + aoff, "b": b.addr + boff, "c": out.addr + coff}
+    base = [a.addr + aoff, b.addr + boff, out.addr + coff, 0, 0]   # a b c s p
     keep = []
     if plan.scratch:
         s = ctx.empty((plan.scratch,), "f32")
         keep.append(s)
-        base["s"] = s.addr
+        base[3] = s.addr
     if plan.partial:
         p = ctx.empty((plan.partial,), "f32")
         keep.append(p)
-        base["p"] = p.addr
-    if plan.bt_copy:
-        bt = _copy_k_contiguous(ctx, b)
-        keep.append(bt)
-        base["b"] = bt.addr
+        base[4] = p.addr
+    if plan.b_copy:
+        bc = _copy_b(ctx, b, plan.b_copy)
+        keep.append(bc)
+        base[1] = bc.addr
     launch = ctx.launch
     for addr, n, cost, ptrs, tail in plan.steps:
         launch(addr, n, cost, *[base[r] + o for r, o in ptrs], *tail)
     del keep
 
 
-def _copy_k_contiguous(ctx, b):
-    """b[*batch, K, N] copied to a contiguous [*batch, N, K] (the dot path wants k unit-stride)."""
+def _copy_b(ctx, b, order):
+    """A skinny b[*batch, K, N] copied contiguous as [*batch, N, K] (order "nk": the dot path
+    wants k unit-stride)."""
     from . import elementwise as ew
 
     r = b.rank
@@ -182,21 +212,27 @@ def _make_plan(a, b, shape, accumulate) -> _Plan:
     unit_kb = s_bk == 1 or K == 1
     args = (b.dtype, M, N, K, bs, ast, nbatch, accumulate)
     if M <= SMALL_M and unit_n:
-        _plan_small(plan, "rowvec", (s_am, s_ak, s_bk, 1), bst, *args)
+        _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
     elif M <= SMALL_M and unit_ka and unit_kb:
-        _plan_small(plan, "dot", (s_am, 1, 1, s_bn), bst, *args)
-    elif N <= DOT_N and K >= DOT_MIN_K and unit_ka and (unit_kb or plan.outer is None):
-        if unit_kb:
-            _plan_small(plan, "dot", (s_am, 1, 1, s_bn), bst, *args)
-        else:
-            # b has only N <= DOT_N columns: copy it k-contiguous, [*batch, N, K], first
-            plan.bt_copy = True
-            _plan_small(plan, "dot", (s_am, 1, 1, K), tuple(st * N * K for st in _contig(bs)),
-                        *args)
-    elif M * N * K <= TINY and unit_n:
-        _plan_small(plan, "rowvec", (s_am, s_ak, s_bk, 1), bst, *args)
+        _plan_small(plan, "dot", None, (s_am, 1, 1, s_bn), bst, *args)
+    elif unit_ka and unit_kb and ((N <= DOT_N and K >= DOT_MIN_K) or
+                                  (N <= 2 * DOT_N and K >= DOT_COPY_MIN_K)):
+        _plan_small(plan, "dot", None, (s_am, 1, 1, s_bn), bst, *args)
+    elif unit_ka and N <= DOT_N and K >= DOT_COPY_MIN_K and plan.outer is None:
+        # b has only N <= DOT_N columns: copy it k-contiguous, [*batch, N, K], first
+        plan.b_copy = "nk"
+        _plan_small(plan, "dot", None, (s_am, 1, 1, K), tuple(st * N * K for st in _contig(bs)),
+                    *args)
+        plan.kind = "dot copied-b"
+    elif K * N <= RV_MAX_B:
+        _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
     else:
         _plan_packed(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
+    if (len(plan.steps) == 1 and not plan.scratch and not plan.partial and not plan.b_copy
+            and plan.outer is None):
+        addr, n, cost, ptrs, tail = plan.steps[0]
+        if ptrs == ((A, 0), (B, 0), (C, 0)):
+            plan.direct = (addr, n, cost, tail)
     return plan
 
 
@@ -208,31 +244,61 @@ def _contig(shape):
     return tuple(reversed(out))
 
 
-def _plan_small(plan, mode, strides, bst, bdt, M, N, K, bs, ast, nbatch, acc):
+def _rowvec_tile(M, N):
+    """(rm rows, rn vectors) of the rowvec tile: up to RV_ACC accumulators; a wide strip of
+    b for one or two rows of C (GEMV reads long contiguous pieces of each row of b)."""
     W = g.lanes()
+    nv = -(-N // W)
+    if M <= 2:
+        rn = min(nv, RV_WIDE // M)
+        return M, rn
+    rn = min(RV_RN, nv)
+    return min(M, max(1, RV_ACC // rn)), rn
+
+
+def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
+    """rowvec over b as given (unit stride along n) or packed first into column blocks."""
+    W = g.lanes()
+    rm, rn = _rowvec_tile(M, N)
+    s_bk, s_bn = sb
+    if s_bn == 1 or N == 1:
+        _plan_small(plan, "rowvec", (rm, rn), (*sa, s_bk, rn * W), bst, bdt, M, N, K, bs, ast,
+                    nbatch, acc)
+        return
+    # pack b into [block][k][rn*W] (one KC block of length K): unit stride along n
+    step, npb, size = _pack_step(B, bdt, rn * W, N, K, s_bn, s_bk, bs, bst, nbatch, 0, K)
+    plan.steps.append(step)
+    plan.scratch = size
+    blk = -(-N // (rn * W)) * rn * W * K
+    pst = (0, 0, 0) if npb == 1 else tuple(st * blk for st in _contig(bs))
+    _plan_small(plan, "rowvec", (rm, rn), (*sa, rn * W, rn * W * K), pst, "f32", M, N, K, bs,
+                ast, nbatch, acc, b_base=S)
+    plan.kind = "rowvec packed-b"
+
+
+def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, acc, b_base=B):
+    W = g.lanes()
+    plan.kind = mode
     if mode == "rowvec":
-        rm = min(M, SMALL_M)
-        rn = 8 if rm <= 2 else 4
+        rm, rn = tile
         ncb = -(-N // (rn * W))
-        rn = min(rn, -(-N // W))
         work = rm * min(N, rn * W) * K
     else:
-        rm = min(M, 2)
-        rn = 8 if rm == 1 else 4
-        rn = min(rn, N)
+        rn = min(DOT_RN, N)
+        rm = min(M, max(1, DOT_ACC // rn))
         ncb = -(-N // rn)
         work = rm * rn * K
     nrg = -(-M // rm)
     items = nbatch * nrg * ncb
     per = max(1, SMALL_CHUNK // max(work, 1))
     addr = kernels.get(g.GemmSmallKey(bdt, mode, rm, rn))
-    plan.steps.append((addr, -(-items // per), 2 * nbatch * M * N * K,
-                       (("a", 0), ("b", 0), ("c", 0)),
+    plan.steps.append((addr, -(-items // per), nbatch * M * N * K,
+                       ((A, 0), (b_base, 0), (C, 0)),
                        (M, N, K, *strides, bs[1], bs[2], *ast, *bst, int(acc), per, nrg, ncb,
                         nbatch)))
 
 
-def _pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off):
+def _pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc=KC):
     """One gemm_pack launch; returns (step, packed batches, floats written)."""
     npb = nbatch if any(bst) else 1
     if s_w == 1 or rows == 1:
@@ -243,11 +309,11 @@ def _pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off):
         mode = "any"
     npan = -(-rows // width)
     pad = npan * width
-    per = max(1, min(npan, PACK_CHUNK // (width * K)))
+    per = max(1, min(npan, PACK_CHUNK // (width * min(K, kc))))
     groups = -(-npan // per)
     addr = kernels.get(g.GemmPackKey(dtype, width, mode))
-    step = (addr, npb * groups, npb * pad * K * 8, ((src, 0), ("s", dst_off)),
-            (rows, K, s_w, s_k, KC, npan, per, groups, bs[1], bs[2], *bst, pad * K))
+    step = (addr, npb * -(-K // kc) * groups, npb * pad * K * 8, ((src, 0), (S, dst_off)),
+            (rows, K, s_w, s_k, kc, npan, per, groups, bs[1], bs[2], *bst, pad * K))
     return step, npb, npb * pad * K
 
 
@@ -258,12 +324,13 @@ def _blocks(n_panels, max_per):
 
 
 def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
-    MR, NR = g.MR, g.nr()
+    plan.kind = "packed"
+    MR, NR = g.mr(), g.nr()
     Mp = -(-M // MR) * MR
     Np = -(-N // NR) * NR
-    a_step, npa, asz = _pack_step("a", "f32", MR, M, K, sa[0], sa[1], bs, ast, nbatch, 0)
+    a_step, npa, asz = _pack_step(A, "f32", MR, M, K, sa[0], sa[1], bs, ast, nbatch, 0)
     asz = -(-asz // 16) * 16
-    b_step, npb, bsz = _pack_step("b", bdt, NR, N, K, sb[1], sb[0], bs, bst, nbatch, asz * 4)
+    b_step, npb, bsz = _pack_step(B, bdt, NR, N, K, sb[1], sb[0], bs, bst, nbatch, asz * 4)
     plan.steps += [a_step, b_step]
     plan.scratch = asz + bsz
     MC = _blocks(Mp // MR, MC_PANELS) * MR
@@ -271,8 +338,8 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     nmb, nnb = -(-M // MC), -(-N // NC)
     if acc and K > KC:
         plan.partial = nbatch * M * N
-    addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
-    plan.steps.append((addr, nbatch * nmb * nnb, 2 * nbatch * M * N * K,
-                       (("s", 0), ("s", asz * 4), ("c", 0), ("p" if plan.partial else "c", 0)),
+    addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, PF_B))
+    plan.steps.append((addr, nbatch * nmb * nnb, nbatch * M * N * K,
+                       ((S, 0), (S, asz * 4), (C, 0), (P if plan.partial else C, 0)),
                        (M, N, K, KC, MC, NC, nmb, nnb, 0 if npa == 1 else Mp * K,
-                        0 if npb == 1 else Np * K, int(acc))))
+                        0 if npb == 1 else Np * K, int(acc), int(N > M))))
