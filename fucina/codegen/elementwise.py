@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from . import activations, masks
+from . import activations, masks, typed
 from . import irutil as u
 from .emit import nan_max, nan_min
 from .vpow import pow as _pow
@@ -78,15 +78,7 @@ ARITHMETIC = {
 # every float op: arithmetic here, activations and masks in their own modules
 FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **masks.OPS}
 
-INT_OPS = {
-    "copy": (1, lambda b, x: x),
-    "neg": (1, lambda b, x: b.neg(x)),
-    "add": (2, lambda b, x, y: b.add(x, y)),
-    "sub": (2, lambda b, x, y: b.sub(x, y)),
-    "mul": (2, lambda b, x, y: b.mul(x, y)),
-    "maximum": (2, lambda b, x, y: b.select(b.icmp_signed(">", x, y), x, y)),
-    "minimum": (2, lambda b, x, y: b.select(b.icmp_signed("<", x, y), x, y)),
-}
+INT_OPS = typed.OPS  # i64 and bool arithmetic lives in codegen/typed.py
 
 
 def op_table(compute_dtype: str, op: str = "") -> dict:
