@@ -17,6 +17,7 @@ from .activations import ActivationMethods
 from .checks import same_ctx
 from .elemental import ElementalMethods
 from .elementwise import ElementwiseMethods
+from .inplace import InplaceMethods
 from .loss import LossMethods
 from .masks import MaskMethods
 from .matmul import MatmulMethods
@@ -25,7 +26,7 @@ from .shape import ShapeMethods
 
 
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
-             ShapeMethods, MaskMethods, ElementalMethods):
+             ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in

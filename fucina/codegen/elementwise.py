@@ -66,6 +66,7 @@ ARITHMETIC = {
     "maximum": (2, nan_max),
     "minimum": (2, nan_min),
     "pow": (2, _pow),
+    "add_scaled": (3, lambda b, x, y, a: b.fadd(x, b.fmul(a, y))),  # x + a*y
     # backward rules (g first)
     "div_grad_b": (3, lambda b, g, x, y: b.fneg(b.fdiv(b.fmul(g, x), b.fmul(y, y)))),
     "maximum_grad": (3, _tie_grad(">")),
@@ -86,6 +87,9 @@ def op_table(compute_dtype: str, op: str = "") -> dict:
         from .elemental import op_entry
 
         return {op: op_entry(op)}
+    if op.startswith("add_then:") and compute_dtype == "f32":  # x + bias, then an activation
+        act = FLOAT_OPS[op[len("add_then:"):]][1]
+        return {op: (2, lambda b, x, y: act(b, b.fadd(x, y)))}
     return INT_OPS if compute_dtype in ("i64", "bool") else FLOAT_OPS
 
 
