@@ -164,7 +164,7 @@ class ElementwiseMethods:
                        out.addr, a.addr, b.addr, *tail)
             na, nb = self._node, other._node
             node = None
-            if (na is not None or nb is not None) and engine.is_grad_enabled():
+            if (na is not None or nb is not None) and not engine._mode.disabled:
                 if lay.dtype != "f32":
                     return self._binary_slow(op, other, reflected)
                 va = a if la is None else RawTensor(a.buf, la, a.offset, ctx)
@@ -175,7 +175,7 @@ class ElementwiseMethods:
                     binary_grads, saved, (na is not None, nb is not None)))
         elif type(other) is float or type(other) is int:
             p = _PLANS.get((op, a.lay, reflected, self.tags, type(other)))
-            if p is None or ctx.closed or (self._node is not None and engine.is_grad_enabled()):
+            if p is None or ctx.closed or (self._node is not None and not engine._mode.disabled):
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, _, _ = p
             bits = _bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF

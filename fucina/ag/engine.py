@@ -15,18 +15,22 @@ from ..errors import (BackwardAlreadyRun, GraphNodeReleased, MissingOutputGradie
                       NoGradientGraph, ShapeMismatch)
 from ..exec import elementwise as ew
 
-_mode = threading.local()
+class _Mode(threading.local):
+    disabled = 0  # no_grad nesting depth of this thread
+
+
+_mode = _Mode()
 
 
 def is_grad_enabled() -> bool:
-    return getattr(_mode, "disabled", 0) == 0
+    return not _mode.disabled
 
 
 class no_grad:
     """`with fu.no_grad():` — ops inside record no graph. Nests; thread-local."""
 
     def __enter__(self):
-        _mode.disabled = getattr(_mode, "disabled", 0) + 1
+        _mode.disabled += 1
         return self
 
     def __exit__(self, *exc):
@@ -67,9 +71,12 @@ class Leaf(Node):
 
 def needs_graph(*operands) -> bool:
     """A record is attached iff grad mode is on and at least one operand requires grad."""
-    if not is_grad_enabled():
+    if _mode.disabled:
         return False
-    return any(getattr(t, "_node", None) is not None for t in operands)
+    for t in operands:
+        if getattr(t, "_node", None) is not None:
+            return True
+    return False
 
 
 def add_into(ctx, acc, g):

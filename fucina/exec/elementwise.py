@@ -6,13 +6,14 @@ lookup, one pool allocation and one launch.
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 from ..codegen import kernels
 from ..codegen.elementwise import ElementwiseKey, op_table
 from ..errors import DTypeError, ShapeMismatch
 from .dtypes import ITEMSIZE
-from .raw import RawTensor, contiguous_strides, numel
+from .raw import RawTensor, contiguous_layout, contiguous_strides, numel
 
 CHUNK = 1 << 15  # elements per chunk: the grid is fixed by n alone (elementwise results never depend on it)
 
@@ -94,21 +95,44 @@ def plan_of(op: str, out_dtype: str, shape, operands):
     return _plan(op, out_dtype, tuple(shape), ins, params)
 
 
+_PARAM = object()  # stands for a by-value scalar operand in a run-plan key
+_runs: dict = {}   # (op, out dtype, shape, out layout, operand layouts) -> (kernel, chunks, cost, tail, out layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _param_bits(x, out_dtype: str) -> int:
+    return int(x) & 0xFFFFFFFFFFFFFFFF if out_dtype == "i64" else f32_bits(float(x))
+
+
 def run(ctx, op: str, out_dtype: str, shape, operands, out: RawTensor | None = None) -> RawTensor:
     """out[shape] = op(*operands); each operand a RawTensor already viewed at `shape`
-    (zero strides where it broadcasts) or a Python scalar (a by-value parameter)."""
-    ins, params, ptrs = _describe(operands, out_dtype)
+    (zero strides where it broadcasts) or a Python scalar (a by-value parameter).
+    Plans are remembered per interned layout, so a repeated call is a lookup and a launch."""
+    shape = tuple(shape)
+    key = (op, out_dtype, shape, None if out is None else out.lay,
+           *[x.lay if type(x) is RawTensor else _PARAM for x in operands])
+    plan = _runs.get(key)
+    if plan is None:
+        plan = _runs[key] = _new_plan(op, out_dtype, shape, operands, out)
+    addr, n_chunks, cost, tail, lay = plan
+    if ctx.closed:
+        ctx.check_open(op)
     if out is None:
-        addr, n_chunks, cost, tail = _plan(op, out_dtype, tuple(shape), ins, params)
-        out = ctx.empty(shape, out_dtype)
-    else:
-        if out.shape != tuple(shape) or out.dtype != out_dtype:
-            raise ShapeMismatch(f"{op}: expected out of shape {tuple(shape)} {out_dtype}, "
-                                f"got {out.shape} {out.dtype}")
-        ostr = None if out.is_contiguous() else out.strides
-        addr, n_chunks, cost, tail = _plan(op, out_dtype, tuple(shape), ins, params, ostr)
-    ctx.launch(addr, n_chunks, cost, out.addr, *ptrs, *tail)
+        out = RawTensor(ctx.pool.alloc(lay.nbytes, out_dtype == "f32"), lay, 0, ctx)
+    ctx.launch(addr, n_chunks, cost, out.addr,
+               *[x.addr if type(x) is RawTensor else _param_bits(x, out_dtype) for x in operands],
+               *tail)
     return out
+
+
+def _new_plan(op, out_dtype, shape, operands, out):
+    ins, params, _ = _describe(operands, out_dtype)
+    if out is None:
+        return _plan(op, out_dtype, shape, ins, params) + (contiguous_layout(out_dtype, shape),)
+    if out.shape != shape or out.dtype != out_dtype:
+        raise ShapeMismatch(f"{op}: expected out of shape {shape} {out_dtype}, got {out.shape} {out.dtype}")
+    ostr = None if out.is_contiguous() else out.strides
+    return _plan(op, out_dtype, shape, ins, params, ostr) + (out.lay,)
 
 
 def compute_dtype_of(op: str, dtypes) -> str:
