@@ -103,14 +103,19 @@ def with_scalar(op: str, x, s: float, reflected: bool):
 
 
 def cast(x, dtype: str):
-    """to(dtype): a copy; f32 <-> f16/bf16 is differentiable (identity on the f32 gradient)."""
+    """to(dtype), SPEC R-10: always a copy. f32 -> f32/f16/bf16 and f16/bf16 -> f32 are
+    differentiable (backward: the f32 upstream gradient unchanged); any other cast of a tensor
+    that requires grad raises GradientCastUnsupported (with grad mode on)."""
     r = x._raw
-    if dtype not in ("f32", "f16", "bf16") and needs_graph(x):
+    differentiable = (r.dtype, dtype) in {("f32", "f32"), ("f32", "f16"), ("f32", "bf16"),
+                                          ("f16", "f32"), ("bf16", "f32")}
+    if not differentiable and needs_graph(x):
         raise GradientCastUnsupported(
-            f"to: a tensor that requires grad casts only to f32/f16/bf16, got {r.dtype} -> {dtype}")
+            f"to: a tensor that requires grad casts only f32 -> f32/f16/bf16 or f16/bf16 -> f32, "
+            f"got {r.dtype} -> {dtype}; expected .detach() or fu.no_grad() for this cast")
     out = ew.cast(r.ctx, r, dtype)
-    if dtype not in ("f32", "f16", "bf16"):
-        return finish_op("to", out, x.tags, (), None)
+    if not differentiable:
+        return out, x.tags, None
     return finish_op("to", out, x.tags, (x,), lambda needs: lambda g: (g,), dtypes_ok=True)
 
 
@@ -132,11 +137,6 @@ def aligned(op: str, x, y):
 # (op, layout, other layout | reflected, tags, other tags | scalar type) ->
 # (out layout, out tags, kernel, chunks, cost, argument tail, aligned layout of each operand or None)
 _PLANS: dict = {}
-
-
-@functools.lru_cache(maxsize=1024)
-def _bits(x) -> int:
-    return ew.f32_bits(float(x))
 
 
 class ElementwiseMethods:
@@ -178,7 +178,7 @@ class ElementwiseMethods:
             if p is None or ctx.closed or (self._node is not None and not engine._mode.disabled):
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, _, _ = p
-            bits = _bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
+            bits = ew.cached_f32_bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
             out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
             x, y = (bits, a.addr) if reflected else (a.addr, bits)
             _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
@@ -282,6 +282,7 @@ class ElementwiseMethods:
         return self._binary("pow", real("pow_scalar", e))
 
     def to(self, dtype: str):
-        """A copy in `dtype` (f32 <-> f16/bf16 with R-9 rounding, differentiable; same dtype copies)."""
+        """A copy in `dtype` (SPEC R-10): any pair of f32/f16/bf16/i64/bool; f32 <-> f16/bf16
+        and f32 -> f32 are differentiable."""
         self._live("to")
         return self._result(*cast(self, check_dtype(dtype, "to")))

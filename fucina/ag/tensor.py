@@ -23,10 +23,11 @@ from .masks import MaskMethods
 from .matmul import MatmulMethods
 from .reduce import ReduceMethods
 from .shape import ShapeMethods
+from .typed import TypedMethods
 
 
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
-             ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods):
+             ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in

@@ -77,7 +77,7 @@ ARITHMETIC = {
 }
 
 # every float op: arithmetic here, activations and masks in their own modules
-FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **masks.OPS}
+FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **masks.OPS, **typed.CASTS}
 
 INT_OPS = typed.OPS  # i64 and bool arithmetic lives in codegen/typed.py
 

@@ -1,13 +1,200 @@
-"""Integer and bool emitters (SPEC R-11): i64 arithmetic wraps (two's complement), there is
-no plain division, and bool bytes are 0 or 1."""
+"""Typed (non-f32) math and casts (SPEC R-10, R-11): the integer/bool emitter table of the
+elementwise generator, the cast emitters every domain shares, and the zero-divisor scan kernel.
+
+i64 arithmetic wraps (two's complement). LLVM's sdiv/srem are undefined for a zero divisor and
+for minInt / -1, so the divisions divide by a guarded divisor and never trap on any data;
+reporting a zero divisor is the host's job (the `zero_scan` kernel, read by fucina.ag.typed).
+Cast emitters read their operand's compute type (f32, i64 or a bool byte) and return the
+target's; the generator's store narrows f32 to f16/bf16 and an i1 to a bool byte.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import irutil as u
+from . import masks
+from .kernels import KernelKey, register
+
+def _elem(v):
+    return v.type.element if isinstance(v.type, ir.VectorType) else v.type
+
+
+def _like(v, elem):
+    """The type of v with its element type replaced (scalar or vector)."""
+    return ir.VectorType(elem, v.type.count) if isinstance(v.type, ir.VectorType) else elem
+
+
+def _is_float(v) -> bool:
+    return isinstance(_elem(v), (ir.FloatType, ir.HalfType, ir.DoubleType))
+
+
+# ---- integer division -----------------------------------------------------------------------
+
+def _neg(b, x):
+    """0 - x, wrapping (no nsw): -minInt == minInt."""
+    return b.sub(u.const(x.type, 0), x)
+
+
+def _eq(b, v, k):
+    return b.icmp_signed("==", v, u.const(v.type, k))
+
+
+def _safe_divisor(b, y):
+    """y with 0 and -1 replaced by 1: sdiv/srem by it is defined for every dividend."""
+    bad = b.or_(_eq(b, y, 0), _eq(b, y, -1))
+    return b.select(bad, u.const(y.type, 1), y)
+
+
+def _zero_where_no_divisor(b, y, v):
+    return b.select(_eq(b, y, 0), u.const(v.type, 0), v)
+
+
+def _trunc_quotient(b, x, y):
+    """x / y rounded toward 0; x / -1 is the wrapping negation (minInt / -1 == minInt)."""
+    q = b.sdiv(x, _safe_divisor(b, y))
+    return b.select(_eq(b, y, -1), _neg(b, x), q)
+
+
+def _trunc_rem(b, x, y):
+    """x - y * trunc(x / y), sign of x; x % -1 == 0 (srem by the safe divisor 1 gives it)."""
+    return b.srem(x, _safe_divisor(b, y))
+
+
+def _signs_differ(b, r, y):
+    """r != 0 and sign(r) != sign(y): where a truncated result needs the floor correction."""
+    nonzero = b.icmp_signed("!=", r, u.const(r.type, 0))
+    return b.and_(nonzero, b.icmp_signed("<", b.xor(r, y), u.const(r.type, 0)))
+
+
+def div_trunc(b, x, y):
+    """Quotient rounded toward zero (C `/`, Zig @divTrunc); minInt / -1 wraps to minInt."""
+    return _zero_where_no_divisor(b, y, _trunc_quotient(b, x, y))
+
+
+def div_floor(b, x, y):
+    """Quotient rounded toward -inf (Python `//`, Zig @divFloor)."""
+    q = _trunc_quotient(b, x, y)
+    fix = _signs_differ(b, _trunc_rem(b, x, y), y)
+    return _zero_where_no_divisor(b, y, b.sub(q, b.zext(fix, q.type)))
+
+
+def rem(b, x, y):
+    """Remainder with the sign of the dividend (C `%`, torch.fmod); minInt % -1 == 0."""
+    return _trunc_rem(b, x, y)  # 0 where y == 0 (srem by 1)
+
+
+def mod(b, x, y):
+    """Remainder with the sign of the divisor (Python `%`, torch.remainder)."""
+    r = _trunc_rem(b, x, y)
+    return b.select(_signs_differ(b, r, y), b.add(r, y), r)  # r == 0 where y == 0
+
+
+# ---- casts ----------------------------------------------------------------------------------
+
+def _f32_to_i64_sat(b, x, ty):
+    """Truncate toward zero, saturate, NaN -> 0 (the semantics of llvm.fptosi.sat, which the
+    x86 backend scalarizes): out-of-range and NaN lanes convert a 0.0 instead — fptosi of them
+    would be poison — and are patched after one vector convert (vcvttps2qq on AVX-512)."""
+    hi = b.fcmp_ordered(">=", x, u.const(x.type, 2.0 ** 63))   # +inf too
+    lo = b.fcmp_ordered("<", x, u.const(x.type, -(2.0 ** 63)))  # -inf too; -2^63 itself converts
+    nan = b.fcmp_unordered("uno", x, x)
+    safe = b.select(b.or_(b.or_(hi, lo), nan), u.const(x.type, 0.0), x)
+    r = b.fptosi(safe, ty)
+    r = b.select(hi, u.const(ty, (1 << 63) - 1), r)
+    return b.select(lo, u.const(ty, -(1 << 63)), r)
+
+
+def to_i64(b, x):
+    """float: truncate toward zero, saturate, NaN -> 0; bool byte: 0/1; i64: itself."""
+    ty = _like(x, u.I64)
+    if _is_float(x):
+        return _f32_to_i64_sat(b, x, ty)
+    if _elem(x) == u.I64:
+        return x
+    return b.zext(b.icmp_unsigned("!=", x, u.const(x.type, 0)), ty)  # a bool byte -> 0/1
+
+
+def to_f32(b, x):
+    """i64: round to nearest even; bool byte: 0.0/1.0; f32: itself (f16/bf16 arrive widened)."""
+    if _is_float(x):
+        return x
+    ty = _like(x, u.F32)
+    if _elem(x) == u.I64:
+        return b.sitofp(x, ty)  # round to nearest even
+    nonzero = b.icmp_unsigned("!=", x, u.const(x.type, 0))
+    return b.select(nonzero, u.const(ty, 1.0), u.const(ty, 0.0))
+
+
+def to_bool(b, x):
+    """x != 0; a float NaN is true, -0.0 false."""
+    if _is_float(x):
+        return b.fcmp_unordered("!=", x, u.const(x.type, 0.0))  # NaN -> true
+    return b.icmp_unsigned("!=", x, u.const(x.type, 0))
+
+
+CASTS = {
+    "to_i64": (1, to_i64),
+    "to_f32": (1, to_f32),
+    "to_bool": (1, to_bool),
+}
+"""Shared by both domains: codegen/elementwise.py merges them into FLOAT_OPS as well, so a
+float source can be cast to i64 or bool (fucina.exec.elementwise.cast picks the op)."""
+
 OPS = {
+    **masks.OPS,  # where, compares, logical ops: written for integer and bool operands too
+    **CASTS,
     "copy": (1, lambda b, x: x),
-    "neg": (1, lambda b, x: b.neg(x)),
+    "neg": (1, lambda b, x: _neg(b, x)),
     "add": (2, lambda b, x, y: b.add(x, y)),
     "sub": (2, lambda b, x, y: b.sub(x, y)),
     "mul": (2, lambda b, x, y: b.mul(x, y)),
     "maximum": (2, lambda b, x, y: b.select(b.icmp_signed(">", x, y), x, y)),
     "minimum": (2, lambda b, x, y: b.select(b.icmp_signed("<", x, y), x, y)),
+    "div_trunc": (2, div_trunc),
+    "div_floor": (2, div_floor),
+    "rem": (2, rem),
+    "mod": (2, mod),
+    "bit_and": (2, lambda b, x, y: b.and_(x, y)),
+    "bit_or": (2, lambda b, x, y: b.or_(x, y)),
+    "bit_xor": (2, lambda b, x, y: b.xor(x, y)),
 }
+"""The integer/bool table of the elementwise generator (used when the first non-bool operand
+is i64, or every operand is bool)."""
+
+
+# ---- zero-divisor scan ----------------------------------------------------------------------
+
+@register
+@dataclass(frozen=True)
+class ZeroScanKey(KernelKey):
+    """flags[c] = 1 if chunk c of a contiguous i64 array holds a 0, else 0 (one byte per chunk).
+
+    Each chunk writes only its own flag, so there is no race and no atomics; OR is exact, so the
+    grid never changes the answer. Written as a scalar loop for the loop vectorizer.
+    Argument block: x, n, chunk, flags."""
+    family = "zero_scan"
+    vectorize_loops = True
+    dtype: str = "i64"
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_zero_scan(self, symbol))
+
+
+def _build_zero_scan(key: ZeroScanKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    x, n, chunk, flags = u.arg_ptr(b, args, 0), u.arg(b, args, 1), u.arg(b, args, 2), u.arg_ptr(b, args, 3)
+    st = u.STORAGE[key.dtype]
+    acc = u.entry_alloca(b, u.I8, "acc")
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        e0 = b.mul(c, chunk)
+        e1 = u.smin(b, b.add(e0, chunk), n)
+        b.store(u.const(u.I8, 0), acc)
+        with u.Loop(b, e0, e1, 1, "e") as e:
+            v = b.load(b.gep(x, [e], source_etype=st), typ=st)
+            hit = b.zext(b.icmp_signed("==", v, u.const(st, 0)), u.I8)
+            b.store(b.or_(b.load(acc, typ=u.I8), hit), acc)
+        b.store(b.load(acc, typ=u.I8), b.gep(flags, [c], source_etype=u.I8))
+    b.ret_void()
+    return mod

@@ -7,6 +7,7 @@ lookup, one pool allocation and one launch.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 
 from ..codegen import kernels
@@ -21,7 +22,22 @@ _plans: dict = {}
 
 
 def f32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
+    """The float32 nearest x (round to nearest even; beyond the range: ±inf) as its bits."""
+    try:
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+    except OverflowError:
+        return 0x7F800000 if x > 0 else 0xFF800000
+
+
+@functools.lru_cache(maxsize=4096)
+def _nonzero_bits(x: float) -> int:
+    return f32_bits(x)
+
+
+def cached_f32_bits(x) -> int:
+    """f32_bits for a hot path. Zeros bypass the cache: 0.0 == -0.0 would share an entry."""
+    x = float(x)
+    return _nonzero_bits(x) if x != 0.0 else (0x80000000 if math.copysign(1.0, x) < 0 else 0)
 
 
 def coalesce(shape, strides_list):
@@ -99,9 +115,8 @@ _PARAM = object()  # stands for a by-value scalar operand in a run-plan key
 _runs: dict = {}   # (op, out dtype, shape, out layout, operand layouts) -> (kernel, chunks, cost, tail, out layout)
 
 
-@functools.lru_cache(maxsize=4096)
 def _param_bits(x, out_dtype: str) -> int:
-    return int(x) & 0xFFFFFFFFFFFFFFFF if out_dtype == "i64" else f32_bits(float(x))
+    return int(x) & 0xFFFFFFFFFFFFFFFF if out_dtype == "i64" else cached_f32_bits(x)
 
 
 def run(ctx, op: str, out_dtype: str, shape, operands, out: RawTensor | None = None) -> RawTensor:
@@ -136,13 +151,21 @@ def _new_plan(op, out_dtype, shape, operands, out):
 
 
 def compute_dtype_of(op: str, dtypes) -> str:
-    """The common dtype of a pointwise op's operands; mixed dtypes are an error."""
+    """The common dtype of a pointwise op's operands (mixed dtypes are an error), checked
+    against SPEC R-11: bool has no arithmetic, i64 has no plain `div`, and an op must exist in
+    the dtype's table (so div_trunc, div_floor, rem, mod and bit_* refuse floats)."""
     first = dtypes[0]
     for d in dtypes[1:]:
         if d != first:
             raise DTypeError(f"{op}: expected operands of one dtype, got {tuple(dtypes)}")
+    if first == "bool":
+        raise DTypeError(f"{op}: bool tensors have no arithmetic; expected f32/f16/bf16/i64 "
+                         f"operands (cast with .to('i64') or .to('f32') first)")
+    if first == "i64" and op == "div":
+        raise DTypeError("div: integer tensors have no plain division; expected div_trunc "
+                         "(toward zero) or div_floor (toward -inf), or rem/mod for the remainder")
     cdt = "f32" if first in ("f16", "bf16") else first
-    if op not in op_table(cdt) or first == "bool":
+    if op not in op_table(cdt):  # the integer-only ops (div_trunc, rem, bit_and...) are not float ops
         raise DTypeError(f"{op}: not defined for dtype {first}")
     return first
 
@@ -155,10 +178,29 @@ def materialize(ctx, x: RawTensor) -> RawTensor:
 
 
 def cast(ctx, x: RawTensor, dtype: str) -> RawTensor:
-    """Always a copy: f32 <-> f16/bf16 convert (R-9 rounding), same-dtype copies any dtype."""
-    if dtype != x.dtype and not ({x.dtype, dtype} <= {"f32", "f16", "bf16"}):
-        raise DTypeError(f"to: casting {x.dtype} -> {dtype} is not supported yet")
-    return run(ctx, "copy", dtype, x.shape, [x])
+    """to(dtype), SPEC R-10: always a copy, one generated kernel for every pair of dtypes.
+
+    float -> float   copy (16-bit loads widen exactly, the store narrows once: f16 IEEE RNE,
+                     bf16 the R-9 formula)
+    float -> i64     truncate toward zero, saturate at the bounds, NaN -> 0
+    i64/bool -> float  signed convert to f32 (round to nearest even), then the narrowing store
+                     (i64 -> bf16 is therefore f32_to_bf16(float32(x)), as torch does)
+    bool -> i64      0/1
+    any -> bool      x != 0 (NaN -> True)
+    same dtype       copy (i64 -> i64 is the identity: int->int casts wrap trivially)"""
+    src = x.dtype
+    if dtype not in ITEMSIZE:
+        raise DTypeError(f"to: expected a dtype in {tuple(ITEMSIZE)}, got {dtype!r}")
+    floats = ("f32", "f16", "bf16")
+    if src == dtype or (src in floats and dtype in floats):
+        op = "copy"
+    elif dtype == "bool":
+        op = "to_bool"
+    elif dtype == "i64":
+        op = "to_i64"
+    else:
+        op = "to_f32"
+    return run(ctx, op, dtype, x.shape, [x])
 
 
 def check_same_shape(op, a: RawTensor, b: RawTensor):
