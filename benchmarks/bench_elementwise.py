@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import common as c
-from .common import BIG_ELEMS, MiB, row
+from .common import BIG_ELEMS, row
 
 GROUP_TINY = "eager overhead"
 GROUP_BW = "elementwise 64 MiB"
@@ -38,26 +38,38 @@ def _tiny(threads: int, quick: bool) -> list[dict]:
     ctx = _ctx(threads)
     rows = []
     try:
-        cases = [("a + b, 1 element f32", 1, "a + b", "ta + tb"),
-                 ("a + b, 1000 elements f32", 1000, "a + b", "ta + tb"),
-                 ("a + 1.0, 1 element f32", 1, "a + 1.0", "ta + 1.0")]
-        for what, n, fu_stmt, to_stmt in cases:
+        cases = [("a + b, 1 element f32", 1, "a + b", "ta + tb", False),
+                 ("a + b, 1000 elements f32", 1000, "a + b", "ta + tb", False),
+                 ("a + 1.0, 1 element f32", 1, "a + 1.0", "ta + 1.0", False),
+                 ("a + b, 1 element f32, with autograd (both operands require grad)", 1,
+                  "a + b", "ta + tb", True)]
+        has_ag = callable(getattr(ctx, "variable", None))
+        for what, n, fu_stmt, to_stmt, grad in cases:
             rng = np.random.default_rng(n)
             x, y = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
-            env = {"a": ctx.tensor(x, tags=("n",)), "b": ctx.tensor(y, tags=("n",))}
+            make = ctx.variable if grad and has_ag else ctx.tensor
+            env = {"a": make(x, tags=("n",)), "b": make(y, tags=("n",))}
+            if grad and not has_ag:
+                what += " — Fucina has no autograd yet: its operands are constants (reference)"
             stmts = {"fucina": fu_stmt}
             if torch is not None:
-                env.update(ta=torch.from_numpy(x.copy()), tb=torch.from_numpy(y.copy()))
+                env.update(ta=torch.from_numpy(x.copy()).requires_grad_(grad),
+                           tb=torch.from_numpy(y.copy()).requires_grad_(grad))
                 stmts["torch"] = to_stmt
-            with c.torch_threads(threads):
-                t = c.interleaved(stmts, env=env, repeats=5 if quick else 15,
-                                  block_s=0.01 if quick else 0.03)
+            t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                                 repeats=5 if quick else 15, block_s=0.01 if quick else 0.03)
             fu_s = t["fucina"].median
             to_s = t["torch"].median if "torch" in t else None
-            met = None if to_s is None else fu_s <= to_s
-            rows.append(row(GROUP_TINY, what, threads, fu_s, to_s, target="≤ PyTorch", met=met,
-                            note=f"spread ±{t['fucina'].spread * 50:.0f} % / "
-                                 f"±{t['torch'].spread * 50:.0f} %" if to_s else ""))
+            ref_only = grad and not has_ag
+            met = None if to_s is None or ref_only else fu_s <= to_s
+            note = ""
+            if to_s:
+                note = (f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} % / "
+                        f"±{t['torch'].spread * 50:.0f} %; {load}")
+            r = row(GROUP_TINY, what, threads, fu_s, to_s,
+                    target="reference" if ref_only else "≤ PyTorch", met=met, note=note)
+            r["parity"] = met is False and to_s / fu_s >= c.PARITY
+            rows.append(r)
     finally:
         ctx.close()
     return rows
@@ -84,7 +96,6 @@ def _check(fu_val, to_val, what):
 
 def _bandwidth_ops(threads: int, quick: bool) -> list[dict]:
     torch = c.torch()
-    bw = c.bandwidth(threads)
     rng = np.random.default_rng(0)
     n = BIG_ELEMS
     x = rng.uniform(-4, 4, n).astype(np.float32)
@@ -98,39 +109,36 @@ def _bandwidth_ops(threads: int, quick: bool) -> list[dict]:
     try:
         for name, fu_stmt, to_stmt, out_stmt, reads in BW_OPS:
             rows += c.guarded(GROUP_BW, name, lambda: _one_bw(
-                threads, quick, name, fu_stmt, to_stmt, out_stmt, reads, env, bw))
+                threads, quick, name, fu_stmt, to_stmt, out_stmt, reads, env))
     finally:
         env.clear()
         ctx.close()
     return rows
 
 
-def _one_bw(threads, quick, name, fu_stmt, to_stmt, out_stmt, reads, env, bw):
+def _one_bw(threads, quick, name, fu_stmt, to_stmt, out_stmt, reads, env):
     torch = c.torch()
     nbytes = (reads + 1) * BIG_ELEMS * 4
     stmts = {"fucina": fu_stmt}
     if torch is not None:
         _check(eval(fu_stmt, env).numpy(), eval(to_stmt, env).numpy(), name)
         stmts.update(torch=to_stmt, torch_out=out_stmt)
+    t, load = c.measured(stmts, env=env, threads=threads, quick=quick, repeats=3 if quick else 9,
+                         block_s=0.05 if quick else 0.15, before=lambda: c.sample_bandwidth(threads))
     with c.torch_threads(threads):
-        t = c.interleaved(stmts, env=env, repeats=3 if quick else 9, block_s=0.05 if quick else 0.15)
         faults = {k: c.faults_per_call(s, env) for k, s in stmts.items()}
-    fu_s = t["fucina"].median
-    pct = nbytes / fu_s / bw
     what = f"{name}, 16 Mi f32 ({(reads + 1) * 64} MiB moved)"
-    bw_note = (f"Fucina {c.fmt_gbs(nbytes / fu_s)} = {pct:.0%} of {c.fmt_gbs(bw)} measured "
-               f"({threads} thr); faults/call {faults['fucina']:.0f}")
     if torch is None:
-        return [row(GROUP_BW, what, threads, fu_s, target="≥ 85 % BW", met=pct >= 0.85,
-                    note=bw_note)]
+        return [c.bw_row(GROUP_BW, what, threads, t["fucina"], None, nbytes=nbytes,
+                         bw_now=load.before, bw_target=True,
+                         target="≥ 85 % BW", extra=f"faults/call {faults['fucina']:.0f}; {load}")]
     out = []
     for key, label in (("torch", "vs torch out-of-place"), ("torch_out", "vs torch out= (prealloc.)")):
-        to_s = t[key].median
-        met = pct >= 0.85 and fu_s <= to_s
-        out.append(row(GROUP_BW, f"{what} {label}", threads, fu_s, to_s,
-                       target="≥ 85 % BW and ≥ PyTorch", met=met,
-                       note=f"{bw_note}; torch {c.fmt_gbs(nbytes / to_s)}, "
-                            f"faults/call {faults[key]:.0f}"))
+        out.append(c.bw_row(GROUP_BW, f"{what} {label}", threads, t["fucina"], t[key].median,
+                            nbytes=nbytes, bw_now=load.before, bw_target=True,
+                            target="≥ 85 % BW and ≥ PyTorch",
+                            extra=f"minor faults/call: Fucina {faults['fucina']:.0f}, "
+                                  f"torch {faults[key]:.0f}; {load}"))
     return out
 
 
@@ -139,7 +147,6 @@ def _one_bw(threads, quick, name, fu_stmt, to_stmt, out_stmt, reads, env, bw):
 
 def _casts(threads: int, quick: bool) -> list[dict]:
     torch = c.torch()
-    bw = c.bandwidth(threads)
     n = BIG_ELEMS
     x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
     ctx = _ctx(threads)
@@ -155,7 +162,7 @@ def _casts(threads: int, quick: bool) -> list[dict]:
     try:
         for what, fu_stmt, to_stmt, out_stmt in cases:
             rows += c.guarded(GROUP_CAST, what, lambda: _one_cast(
-                threads, quick, what, fu_stmt, to_stmt, out_stmt, env, bw))
+                threads, quick, what, fu_stmt, to_stmt, out_stmt, env))
     finally:
         env.clear()
         del a
@@ -163,7 +170,7 @@ def _casts(threads: int, quick: bool) -> list[dict]:
     return rows
 
 
-def _one_cast(threads, quick, what, fu_stmt, to_stmt, out_stmt, env, bw):
+def _one_cast(threads, quick, what, fu_stmt, to_stmt, out_stmt, env):
     torch = c.torch()
     nbytes = BIG_ELEMS * 6
     stmts = {"fucina": fu_stmt}
@@ -175,41 +182,33 @@ def _one_cast(threads, quick, what, fu_stmt, to_stmt, out_stmt, env, bw):
         if not np.array_equal(fu_bits[:4096], to_bits[:4096]):
             raise AssertionError(f"{what}: Fucina and PyTorch disagree")
         stmts.update(torch=to_stmt, torch_out=out_stmt)
-    with c.torch_threads(threads):
-        t = c.interleaved(stmts, env=env, repeats=3 if quick else 9, block_s=0.05 if quick else 0.15)
-    fu_s = t["fucina"].median
-    label = f"{what}, 16 Mi elements (64 MiB f32 + 32 MiB bf16)"
-    note = f"Fucina {c.fmt_gbs(nbytes / fu_s)} = {nbytes / fu_s / bw:.0%} of measured BW"
+    t, load = c.measured(stmts, env=env, threads=threads, quick=quick, repeats=3 if quick else 9,
+                         block_s=0.05 if quick else 0.15, before=lambda: c.sample_bandwidth(threads))
+    fu = t["fucina"]
+    label = f"{what}, 16 Mi elements (96 MiB moved)"
     if torch is None:
-        return [row(GROUP_CAST, label, threads, fu_s, note=note)]
-    return [row(GROUP_CAST, f"{label} vs torch .to()", threads, fu_s, t["torch"].median,
-                target="≥ PyTorch", met=fu_s <= t["torch"].median, note=note),
-            row(GROUP_CAST, f"{label} vs torch copy_ into prealloc.", threads, fu_s,
-                t["torch_out"].median, target="≥ PyTorch", met=fu_s <= t["torch_out"].median,
-                note=note)]
-
-
-# ---------------------------------------------------------------------------------------------
-
-def bandwidth_rows() -> list[dict]:
-    """The measured bandwidth itself, one row per thread count (reference for the % columns)."""
-    return [row("memory bandwidth", "STREAM-style scale_f32 (C kernel, runtime launch), 64 MiB → 64 MiB",
-                k, round(c.bandwidth(k) / 1e9, 1), unit="GB/s", target="reference",
-                note="best of 15; bytes read + bytes written")
-            for k in c.thread_counts()]
+        return [c.bw_row(GROUP_CAST, label, threads, fu, None, nbytes=nbytes,
+                         bw_now=load.before, bw_target=False,
+                         extra=str(load))]
+    return [c.bw_row(GROUP_CAST, f"{label} vs torch .to()", threads, fu, t["torch"].median,
+                     nbytes=nbytes, bw_now=load.before, bw_target=False, target="≥ PyTorch",
+                     extra=str(load)),
+            c.bw_row(GROUP_CAST, f"{label} vs torch copy_ into prealloc.", threads, fu,
+                     t["torch_out"].median, nbytes=nbytes, bw_now=load.before, bw_target=False,
+                     target="≥ PyTorch",
+                     extra=str(load))]
 
 
 def rows(quick: bool = False) -> list[dict]:
     out = []
     for k in c.thread_counts():
         out += c.guarded(GROUP_TINY, "tiny ops", lambda: _tiny(k, quick))
-    out += bandwidth_rows()
     for k in c.thread_counts():
         out += c.guarded(GROUP_BW, "bandwidth ops", lambda: _bandwidth_ops(k, quick))
     for k in c.thread_counts():
         out += c.guarded(GROUP_CAST, "casts", lambda: _casts(k, quick))
-    return out
+    return c.finalize(out)
 
 
 if __name__ == "__main__":
-    c.main(rows)
+    c.main(lambda quick: rows(quick) + c.bandwidth_rows())

@@ -8,10 +8,11 @@ How every speed here is measured (the machine is shared and noisy):
   reported is the median over blocks of (block time / calls). Ratios compare medians.
 * Statements given as strings are timed with `timeit` (the loop is compiled, no wrapper call per
   iteration, gc off during a block), so a tiny op's figure is the op's own cost.
-* Memory bandwidth is measured, not looked up: the runtime's built-in C kernel `scale_f32`
-  (dst = src * s, compiled with the runtime, no JIT) over 64 MiB -> 64 MiB through the runtime's
-  launch, on a 1-thread and a 2-thread team; bytes moved = bytes read + bytes written (the STREAM
-  convention, write-allocate traffic not counted); best of several runs.
+* Memory bandwidth is measured, not looked up: STREAM-style scale (dst = src * 2) over 64 MiB ->
+  64 MiB, bytes moved = bytes read + bytes written (the STREAM convention, write-allocate traffic
+  not counted), best of 15 runs, the higher of two independent kernels: the runtime's built-in C
+  kernel `scale_f32` launched on a 1- or 2-thread team, and numpy's vectorized multiply(out=) on
+  1 or 2 Python threads. See `bandwidth()`.
 """
 from __future__ import annotations
 
@@ -96,13 +97,21 @@ def _timer(stmt, env):
 
 
 def interleaved(cases: dict, *, env: dict | None = None, repeats: int = 7,
-                block_s: float = 0.05, warmup: int = 2, max_calls: int = 1 << 22) -> dict:
+                block_s: float = 0.05, warmup: int = 2, max_calls: int = 1 << 22,
+                settle_s: float | None = None) -> dict:
     """Time several statements against each other, interleaved A B B A ...
 
     `cases` maps a name to a statement string (evaluated in `env`) or a zero-argument callable.
     Returns name -> Timing (seconds per call). Each case is warmed up (`warmup` calls: first
     use compiles or loads kernels, faults pages in) and calibrated to about `block_s` per block.
+    Before every block the process sleeps `settle_s` (default: a third of block_s, at most
+    50 ms) so that the previous block's idle workers stop spinning first: PyTorch's OpenMP
+    workers spin for milliseconds after a parallel region (libgomp's default wait policy) and
+    would otherwise take a core from the next block (measured: +6 % on a 2-thread 64 MiB scale
+    right after a PyTorch block).
     """
+    if settle_s is None:
+        settle_s = min(0.05, block_s / 3)
     env = dict(env or {})
     timers = {name: _timer(stmt, env) for name, stmt in cases.items()}
     calls = {}
@@ -118,8 +127,49 @@ def interleaved(cases: dict, *, env: dict | None = None, repeats: int = 7,
     for r in range(repeats):
         for name in (order if r % 2 == 0 else order[::-1]):
             n = calls[name]
+            if settle_s:
+                time.sleep(settle_s)
             out[name].samples.append(timers[name].timeit(n) / n)
     return out
+
+
+def wait_for_quiet(max_wait_s: float, window_s: float = 2.0, cores: float = 0.3) -> float:
+    """Sleep until other processes use < `cores` CPUs over a `window_s` window, or give up after
+    `max_wait_s`; returns the last window's figure."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with ForeignLoad() as load:
+            time.sleep(window_s)
+        if load.cores < cores or time.monotonic() >= deadline:
+            return load.cores
+
+
+_retry_budget = [240.0]  # seconds this process may spend waiting for quiet moments, in total
+
+
+def measured(stmts: dict, *, env: dict, threads: int, quick: bool, repeats: int, block_s: float,
+             before=None, busy: float = 0.5, attempts: int = 3):
+    """interleaved() under `threads` torch threads, watched by ForeignLoad. When other processes
+    took more than `busy` cores meanwhile, wait for a quiet moment and measure again (up to
+    `attempts` times, 1 when quick, within a per-process waiting budget of 4 minutes); keep
+    the attempt with the least interference.
+    `before()` runs first in every attempt (e.g. re-measuring the bandwidth). -> (timings, load)"""
+    best = None
+    for attempt in range(1 if quick else attempts):
+        if attempt:
+            if _retry_budget[0] <= 0:  # the machine stays busy: stop waiting, report as is
+                break
+            t0 = time.monotonic()
+            wait_for_quiet(min(30.0, _retry_budget[0]))
+            _retry_budget[0] -= time.monotonic() - t0
+        with torch_threads(threads), ForeignLoad() as load:
+            load.before = before() if before is not None else None
+            t = interleaved(stmts, env=env, repeats=repeats, block_s=block_s)
+        if best is None or load.cores < best[1].cores:
+            best = (t, load)
+        if load.cores <= busy:
+            break
+    return best
 
 
 def best_of(fn, runs: int) -> float:
@@ -133,19 +183,156 @@ def best_of(fn, runs: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# memory bandwidth (STREAM-style scale through the runtime's C kernel)
+# memory bandwidth (STREAM-style scale)
 
 _bandwidth: dict = {}
 BW_BYTES = 64 * MiB
 
 
-def bandwidth(threads: int, runs: int = 15) -> float:
-    """Bytes/s of dst = src * 2 over 64 MiB -> 64 MiB on a `threads` team (read + write counted).
+def bandwidth(threads: int) -> float:
+    """Bytes/s of dst = src * 2 over 64 MiB -> 64 MiB with `threads` threads (read + write counted):
+    the highest figure measured so far in this process (the first call measures, best of 15).
 
-    Measured once per process and thread count, the best of `runs` launches after a warm-up.
+    Two independent kernels, each timed best-of-n after a warm-up: the runtime's C kernel
+    `scale_f32` launched on a `threads` team, and numpy's vectorized multiply(out=) on `threads`
+    Python threads over equal halves (numpy drops the GIL). The C kernel is built -O2 without
+    -march, i.e. a scalar loop, which at one thread can be compute-bound; numpy's loop is
+    AVX-512/AVX2. The machine is shared, so `sample_bandwidth` re-measures next to each
+    bandwidth-bound row and the reference is the best seen: the target gets stricter, never laxer.
     """
-    if threads in _bandwidth:
-        return _bandwidth[threads]
+    if threads not in _bandwidth:
+        sample_bandwidth(threads, 15)
+    return max(_bandwidth[threads].values())
+
+
+def sample_bandwidth(threads: int, runs: int = 5) -> float:
+    """Measure both reference kernels again (best of `runs`), keep the best per method, and
+    return this sample's figure (the higher of the two now)."""
+    d = _bandwidth.setdefault(threads, {})
+    now = 0.0
+    for method, fn in ((RUNTIME_METHOD, _bw_runtime), (NUMPY_METHOD, _bw_numpy)):
+        v = fn(threads, runs)
+        d[method] = max(d.get(method, 0.0), v)
+        now = max(now, v)
+    return now
+
+
+RUNTIME_METHOD = "C scale_f32 via the runtime's launch on a k-thread team"
+NUMPY_METHOD = "numpy multiply(out=) on k Python threads"
+
+
+def bandwidth_detail(threads: int) -> dict:
+    bandwidth(threads)
+    return dict(_bandwidth[threads])
+
+
+def measured_bandwidths() -> dict:
+    """threads -> reference bytes/s, for every thread count measured in this process."""
+    return {k: max(v.values()) for k, v in sorted(_bandwidth.items())}
+
+
+def bandwidth_rows() -> list[dict]:
+    """The measured bandwidth itself, one row per thread count and method; the reference for
+    the % figures is the higher of the two at the same thread count."""
+    out = []
+    for k in sorted(_bandwidth) or thread_counts():
+        ref = bandwidth(k)
+        for method, bps in bandwidth_detail(k).items():
+            out.append(row("memory bandwidth", f"STREAM scale, 64 MiB → 64 MiB: {method}", k,
+                           round(bps / 1e9, 1), unit="GB/s",
+                           target="reference" if bps == ref else "",
+                           note="best run; bytes read + bytes written"
+                                + ("; **the reference for % of BW**" if bps == ref else "")))
+    return out
+
+
+def bw_row(group: str, what: str, threads: int, fucina, torch_s: float | None, *,
+           nbytes: int, bw_target: bool, extra: str = "", target: str = "",
+           bw_now: float | None = None) -> dict:
+    """A row for a bandwidth-bound op; `fucina` is a Timing (or seconds); `bw_now` the reference
+    bandwidth sampled right before it. Its % of bandwidth is filled in by finalize()."""
+    med = fucina.median if isinstance(fucina, Timing) else fucina
+    best = fucina.best if isinstance(fucina, Timing) else fucina
+    r = row(group, what, threads, med, torch_s, target=target)
+    r.update(bytes=nbytes, bw_target=bw_target, extra=extra, fucina_best=best, bw_now=bw_now)
+    return finalize([r])[0]
+
+
+def finalize(rows: list[dict]) -> list[dict]:
+    """(Re)compute % of bandwidth, note and status of bandwidth rows.
+
+    Two references: the bandwidth sampled right before the row (best of 5 runs of each
+    reference kernel, so in the same state of the shared machine — its memory bandwidth was
+    seen to swing between ~50 and ~95 GB/s at 2 threads within minutes), which judges the
+    target, and the best figure seen in the whole run, shown next to it. The reference is a
+    best run, so the target is judged on Fucina's best block (itself the mean of many calls);
+    the median is shown too. The comparison with PyTorch uses both medians.
+    """
+    for r in rows:
+        if "bytes" not in r or not r.get("fucina"):
+            continue
+        top = bandwidth(r["threads"])
+        bw = r.get("bw_now") or top
+        rate = r["bytes"] / r["fucina"]
+        best = r["bytes"] / r.get("fucina_best", r["fucina"])
+        r["pct_bw"], r["pct_bw_best"] = rate / bw, best / bw
+        note = (f"Fucina median {fmt_gbs(rate)} = {rate / bw:.0%}, best block {fmt_gbs(best)} = "
+                f"**{best / bw:.0%}** of {fmt_gbs(bw)} measured just before ({r['threads']} thr)"
+                f"; {best / top:.0%} of the run's best {fmt_gbs(top)}")
+        if r.get("torch"):
+            trate = r["bytes"] / r["torch"]
+            note += f"; torch median {fmt_gbs(trate)}" + (" (above the reference)" if trate > bw else "")
+        r["note"] = note + (f"; {r['extra']}" if r.get("extra") else "")
+        torch_ok = None if not r.get("torch") else r["fucina"] <= r["torch"]
+        bw_ok = best / bw >= 0.85 if r["bw_target"] else True
+        r["met"] = (bw_ok and torch_ok is not False) if r["bw_target"] else torch_ok
+        r["parity"] = bool(bw_ok and torch_ok is False and r["torch"] / r["fucina"] >= PARITY)
+    return rows
+
+
+PARITY = 0.98  # a PyTorch comparison lost by less than 2 % is shown as parity (still not "met")
+
+
+class ForeignLoad:
+    """CPU used by *other* processes while the block runs, in cores (from /proc/stat and
+    /proc/self/stat): how much of the shared machine was not ours during a measurement."""
+
+    def __enter__(self):
+        self._t0, self._busy0, self._self0 = time.monotonic(), _busy_ticks(), _self_ticks()
+        return self
+
+    def __exit__(self, *exc):
+        dt = time.monotonic() - self._t0
+        hz = os.sysconf("SC_CLK_TCK")
+        busy, mine = _busy_ticks() - self._busy0, _self_ticks() - self._self0
+        self.cores = max(0.0, (busy - mine) / hz / dt) if dt > 0 and busy >= 0 else float("nan")
+        return False
+
+    cores = float("nan")
+
+    def __str__(self):
+        return f"other processes used {self.cores:.1f} cores meanwhile"
+
+
+def _busy_ticks() -> int:
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - (v[4] if len(v) > 4 else 0)  # minus idle and iowait
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _self_ticks() -> int:
+    try:
+        with open("/proc/self/stat") as f:
+            v = f.read().rsplit(")", 1)[1].split()
+        return int(v[11]) + int(v[12])  # utime + stime (all threads)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bw_runtime(threads: int, runs: int) -> float:
     import numpy as np
 
     from fucina.exec.elementwise import f32_bits
@@ -167,8 +354,49 @@ def bandwidth(threads: int, runs: int = 15) -> float:
         team.close()
         del src, dst
         pool.close()
-    _bandwidth[threads] = 2 * n * 4 / t
-    return _bandwidth[threads]
+    return 2 * n * 4 / t
+
+
+def _bw_numpy(threads: int, runs: int) -> float:
+    import threading
+
+    import numpy as np
+
+    n = BW_BYTES // 4
+    src = np.ones(n, np.float32)
+    dst = np.zeros(n, np.float32)
+    two = np.float32(2.0)
+    h = -(-n // threads)
+    parts = [(src[i * h:(i + 1) * h], dst[i * h:(i + 1) * h]) for i in range(threads)]
+    go, done = threading.Barrier(threads + 1), threading.Barrier(threads + 1)
+    stop = []
+
+    def work(i):
+        s, d = parts[i]
+        while True:
+            go.wait()
+            if stop:
+                return
+            np.multiply(s, two, out=d)
+            done.wait()
+
+    ts = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(threads)]
+    for t in ts:
+        t.start()
+
+    def once():
+        go.wait()
+        done.wait()
+
+    try:
+        once()
+        t = best_of(once, runs)
+    finally:
+        stop.append(1)
+        go.wait()
+        for th in ts:
+            th.join()
+    return 2 * n * 4 / t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,12 +450,20 @@ def fmt_gbs(bps: float) -> str:
     return f"{bps / 1e9:.1f} GB/s"
 
 
-def _status(met):
-    return {True: "met", False: "**missed**", None: "—"}[met]
+def _status(r):
+    if r.get("met") is False and r.get("parity"):
+        return "missed, ≈ parity (< 2 %)"
+    return {True: "met", False: "**missed**", None: "—"}[r.get("met")]
 
 
 HEADER = ("| group | what | threads | Fucina | PyTorch | torch/fucina | target | status | note |\n"
           "|---|---|---|---|---|---|---|---|---|")
+
+
+def _cell(text) -> str:
+    """One table cell: no pipes, no newlines, long error text cut to its end."""
+    t = " ".join(str(text).replace("|", "/").split())
+    return t if len(t) <= 600 else "… " + t[-600:]
 
 
 def table(rows: list[dict]) -> str:
@@ -243,7 +479,7 @@ def table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             str(r.get("group", "")), str(r.get("what", r)), str(r.get("threads", "")), fu_s, to_s,
             "—" if ratio is None else f"{ratio:.2f}", str(r.get("target", "")),
-            _status(r.get("met")), str(r.get("note", "")).replace("|", "/")]) + " |")
+            _status(r), _cell(r.get("note", ""))]) + " |")
     return "\n".join(lines)
 
 
