@@ -7,7 +7,7 @@ LLVM IR on first use, compiled for this CPU and cached on disk.
         b = ctx.tensor([10, 20], tags=("col",))
         print((x + b).numpy())
 """
-from . import elemental
+from . import elemental, rng
 from .ag.context import ExecContext
 from .ag.engine import is_grad_enabled, no_grad
 from .ag.gradcheck import GradcheckResult, gradcheck
@@ -18,5 +18,5 @@ from .exec.context import ExecScope
 from .exec.raw import MAX_RANK, LayoutClass
 
 __version__ = "0.1.0"
-__all__ = ["elemental", "ExecContext", "ExecScope", "Tensor", "einsum_many", "custom_vjp", "LayoutClass", "MAX_RANK", "no_grad", "gradcheck", "GradcheckResult",
+__all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_many", "custom_vjp", "LayoutClass", "MAX_RANK", "no_grad", "gradcheck", "GradcheckResult",
            "is_grad_enabled", *_errors]

@@ -22,12 +22,13 @@ from .loss import LossMethods
 from .masks import MaskMethods
 from .matmul import MatmulMethods
 from .reduce import ReduceMethods
+from .rng import RngMethods
 from .shape import ShapeMethods
 from .typed import TypedMethods
 
 
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
-             ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods):
+             ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods, RngMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in
