@@ -184,3 +184,11 @@ def test_bad_input(ctx):
     with ctx.exec_scope():
         r = fu.einsum_many(("m", "o"), x, w, ctx.tensor(rnd(5, 5), ("n", "o")))
         assert r.tags == ("m", "o") and r.scope_owned
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_sixteen_bit_rhs_when_the_output_wants_the_transpose(ctx, dtype):
+    x_np, w_np = rnd(3, 8), rnd(8, 4)
+    w = ctx.tensor(w_np, ("i", "o"), dtype=dtype)
+    y = ctx.tensor(x_np, ("s", "i")).einsum(w, ("o", "s"))
+    np.testing.assert_allclose(y.numpy(), (x_np.astype(np.float64) @ w.to("f32").numpy()).T, atol=1e-5 * 8)

@@ -273,7 +273,6 @@ class GemmTileKey(KernelKey):
     mr: int
     nr_vecs: int
     unroll: int
-    pf_b: int = 0   # prefetch packed B this many k steps ahead (0: none)
 
     def ir(self, symbol: str) -> str:
         return str(_build_tile(self, symbol))
@@ -325,7 +324,7 @@ def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                        _zero_mask(W)) for v in range(V)] for r in range(R)]
 
-                    def tile_io(ptr, load, values=None, add=False):
+                    def tile_io(ptr, load, add=False):
                         out = []
                         for r in range(R):
                             for v in range(V):
@@ -364,12 +363,6 @@ def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
                     with u.Loop(b, u.i64(0), kmain, U, "k") as k:
                         for s in range(U):
                             step(b.add(k, u.i64(s)))
-                        if key.pf_b:
-                            # B comes from far memory on the first pass over a panel (the next
-                            # 4 KiB page is beyond the hardware prefetcher): fetch ahead
-                            ahead = b.mul(b.add(k, u.i64(key.pf_b)), u.i64(NRc))
-                            for line in range(U * NRc * 4 // 64):
-                                _prefetch(b, bp, b.add(ahead, u.i64(line * 16)), "f32")
                     with u.Loop(b, kmain, kcl, 1, "kr") as k:
                         step(k)
 

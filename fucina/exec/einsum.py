@@ -120,7 +120,8 @@ def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags
         y, ytags = _sum_away(ctx, y, ytags, r.rsum)
     natural = tuple(r.batch) + tuple(r.lfree) + tuple(r.rfree)
     swapped = tuple(r.batch) + tuple(r.rfree) + tuple(r.lfree)
-    if r.out != natural and r.out == swapped:  # C^T = B^T A^T lands in out order directly
+    if r.out != natural and r.out == swapped and y.dtype == "f32":  # C^T = B^T A^T lands in out
+        # order directly (gemm widens 16-bit operands only on its right side)
         x, xtags, y, ytags = y, ytags, x, xtags
         r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, r.out)
         natural = swapped

@@ -24,7 +24,6 @@ from ..codegen import kernels
 from ..errors import DTypeError, ShapeMismatch
 from .raw import RawTensor, numel
 
-PF_B = 32
 KC = 256                 # k block: a KC x NR panel of B stays in L1 across the MR panels of A
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
@@ -298,8 +297,10 @@ def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, a
                         nbatch)))
 
 
-def _pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc=KC):
-    """One gemm_pack launch; returns (step, packed batches, floats written)."""
+def _pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc=None):
+    """One gemm_pack launch (k blocks of kc, default KC); returns (step, packed batches,
+    floats written)."""
+    kc = KC if kc is None else kc
     npb = nbatch if any(bst) else 1
     if s_w == 1 or rows == 1:
         mode = "wvec"
@@ -338,7 +339,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     nmb, nnb = -(-M // MC), -(-N // NC)
     if acc and K > KC:
         plan.partial = nbatch * M * N
-    addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, PF_B))
+    addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
     plan.steps.append((addr, nbatch * nmb * nnb, nbatch * M * N * K,
                        ((S, 0), (S, asz * 4), (C, 0), (P if plan.partial else C, 0)),
                        (M, N, K, KC, MC, NC, nmb, nnb, 0 if npa == 1 else Mp * K,

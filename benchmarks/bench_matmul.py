@@ -1,0 +1,101 @@
+"""GEMM benchmarks: f32 matrix products at transformer shapes, 1 and 2 threads, vs torch.mm.
+
+    python -m benchmarks.bench_matmul [--quick]
+
+Target (DESIGN.md §7): at least 90 % of PyTorch's speed (MKL/oneDNN behind torch.mm) on every
+row, i.e. torch/fucina >= 0.90. Both sides write into a preallocated output (`gemm(ctx, a, b,
+out)` vs `torch.mm(ta, tb, out=tc)`), so the rows time the products, not the allocation of a
+fresh result. Fucina's figure includes packing both operands (its scratch comes from the pool).
+GFLOP/s = 2·M·K·N / median time. (M, K, N): a is [M, K], b is [K, N]; "b = Wᵀ" means b is the
+transposed view of a contiguous [N, K] weight (the nn.Linear layout), read without a copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import common as c
+
+GROUP = "matmul f32"
+
+# (M, K, N, b transposed?, required row?)
+CASES = [
+    (256, 1024, 1024, False, True),
+    (1024, 1024, 1024, False, True),
+    (2048, 1024, 1024, False, True),
+    (1024, 3072, 1024, False, True),
+    (256, 1024, 8, False, True),
+    (1024, 1024, 1024, True, False),
+    (1, 1024, 1024, False, False),
+    (1, 1024, 1024, True, False),
+    (64, 64, 64, False, False),
+    (1, 1, 1, False, False),
+]
+QUICK = {(256, 1024, 1024, False), (1024, 1024, 1024, False), (256, 1024, 8, False),
+         (1, 1024, 1024, True), (1, 1, 1, False)}
+
+
+def _what(M, K, N, tb):
+    return f"({M}, {K}, {N})" + (", b = Wᵀ" if tb else "")
+
+
+def _one(threads: int, quick: bool, M, K, N, tb) -> list[dict]:
+    import fucina as fu
+    from fucina.exec.matmul import gemm, path_of
+
+    torch = c.torch()
+    rng = np.random.default_rng(M + K + N)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    B = rng.standard_normal((K, N)).astype(np.float32)
+    ctx = fu.ExecContext(threads=threads)
+    try:
+        a = ctx.from_numpy(A)
+        b = ctx.from_numpy(np.ascontiguousarray(B.T)).permute((1, 0)) if tb else ctx.from_numpy(B)
+        out = ctx.empty((M, N))
+        env = {"gemm": gemm, "ctx": ctx, "a": a, "b": b, "out": out}
+        stmts = {"fucina": "gemm(ctx, a, b, out)"}
+        gemm(ctx, a, b, out)
+        got = out.to_numpy()
+        want = A.astype(np.float64) @ B.astype(np.float64)
+        if np.abs(got - want).max() > 1e-5 * K * np.abs(A).max() * np.abs(B).max():
+            raise AssertionError(f"{_what(M, K, N, tb)}: wrong result")
+        if torch is not None:
+            tbm = torch.from_numpy(np.ascontiguousarray(B.T)).t() if tb else torch.from_numpy(B)
+            env.update(torch=torch, ta=torch.from_numpy(A), tb=tbm, tc=torch.empty(M, N))
+            stmts["torch"] = "torch.mm(ta, tb, out=tc)"
+        small = M * N * K < 1 << 20
+        t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                             repeats=3 if quick else (15 if small else 9),
+                             block_s=0.05 if quick else (0.03 if small else 0.15))
+        path = path_of(a, b)
+        env.clear()
+        del a, b, out
+    finally:
+        ctx.close()
+    fu_s = t["fucina"].median
+    to_s = t["torch"].median if "torch" in t else None
+    flops = 2.0 * M * K * N
+    note = f"Fucina {flops / fu_s / 1e9:.1f} GFLOP/s"
+    if to_s:
+        note += f", torch {flops / to_s / 1e9:.1f} GFLOP/s"
+    note += (f"; path {path}; block spread ±{t['fucina'].spread * 50:.0f} %"
+             + (f" / ±{t['torch'].spread * 50:.0f} %" if to_s else "") + f"; {load}")
+    met = None if not to_s else to_s / fu_s >= 0.90
+    r = c.row(GROUP, _what(M, K, N, tb), threads, fu_s, to_s,
+              target="≥ 90 % of PyTorch" if to_s else "", met=met, note=note)
+    r["gflops"] = flops / fu_s / 1e9
+    r["parity"] = False
+    return [r]
+
+
+def rows(quick: bool = False) -> list[dict]:
+    out = []
+    for k in c.thread_counts():
+        for M, K, N, tb, _req in CASES:
+            if quick and (M, K, N, tb) not in QUICK:
+                continue
+            out += c.guarded(GROUP, _what(M, K, N, tb), lambda: _one(k, quick, M, K, N, tb))
+    return out
+
+
+if __name__ == "__main__":
+    c.main(rows)

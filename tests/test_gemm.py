@@ -1,0 +1,403 @@
+"""GEMM (fucina.exec.matmul.gemm) against float64 numpy, and bitwise across thread counts.
+
+Tolerance (SPEC §0.5, GEMMs |Δ| <= 1e-5·k) scaled by the operands' magnitudes:
+|Δ| <= 1e-5 · K · max|a| · max|b| (+ the same for the added tensor when accumulating).
+"""
+import numpy as np
+import pytest
+
+import fucina as fu
+from fucina.codegen import kernels
+from fucina.exec import matmul as mm
+from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from fucina.exec.matmul import gemm
+from conftest import assert_bitwise
+
+SHAPES = [(1, 1, 1), (37, 129, 65), (3, 4096, 17), (2, 300, 50), (1, 1000, 37), (5, 7, 3),
+          (64, 64, 64), (256, 1024, 8), (40, 20, 200), (300, 9, 130), (37, 600, 500),
+          (45, 530, 700), (3, 700, 500), (1, 300, 1000)]
+ORIENT = [(False, False), (True, False), (False, True), (True, True)]
+
+
+def _operand(ctx, arr, transposed, dtype="f32"):
+    """A RawTensor holding `arr` (shape [..., r, c]); stored transposed when asked, so the view
+    has swapped strides."""
+    if not transposed:
+        return ctx.from_numpy(arr, dtype=dtype)
+    r = arr.ndim
+    perm = tuple(range(r - 2)) + (r - 1, r - 2)
+    t = ctx.from_numpy(np.ascontiguousarray(arr.transpose(perm)), dtype=dtype)
+    return t.permute(perm)
+
+
+def _product(ctx, A, B, ta, tb):
+    return gemm(ctx, _operand(ctx, A, ta), _operand(ctx, B, tb)).to_numpy()
+
+
+def _ref(A, B):
+    return np.matmul(A.astype(np.float64), B.astype(np.float64))
+
+
+def _tol(A, B, extra=0.0):
+    K = A.shape[-1]
+    return 1e-5 * K * max(np.abs(A).max(), 1e-30) * max(np.abs(B).max(), 1e-30) + extra
+
+
+def _data(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.fixture
+def force_packed(monkeypatch):
+    """Route every shape through the packed path (pack + tiles), edges and all."""
+    monkeypatch.setattr(mm, "SMALL_M", 0)
+    monkeypatch.setattr(mm, "DOT_N", 0)
+    monkeypatch.setattr(mm, "RV_MAX_B", 0)
+    mm._plans.clear()
+    yield
+    mm._plans.clear()
+
+
+def _both_threads(fn):
+    """fn(ctx) -> numpy result, at 1 and 2 threads; asserts the bits agree, returns the result."""
+    outs = []
+    for th in (1, 2):
+        with fu.ExecContext(threads=th) as ctx:
+            outs.append(fn(ctx))
+    assert_bitwise(outs[0], outs[1])
+    return outs[0]
+
+
+def _shape_case(shape, ta, tb):
+    M, K, N = shape
+    rng = np.random.default_rng(M * 1000 + K + N)
+    A, B = _data(rng, M, K), _data(rng, K, N)
+
+    def run(ctx):
+        a, b = _operand(ctx, A, ta), _operand(ctx, B, tb)
+        c = gemm(ctx, a, b)
+        assert c.shape == (M, N) and c.dtype == "f32" and c.is_contiguous()
+        return c.to_numpy(), mm.path_of(a, b)
+
+    outs = []
+    for th in (1, 2):
+        with fu.ExecContext(threads=th) as ctx:
+            outs.append(run(ctx))
+    assert_bitwise(outs[0][0], outs[1][0])
+    got, path = outs[0]
+    assert np.abs(got - _ref(A, B)).max() <= _tol(A, B)
+    return got, path
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ta,tb", ORIENT, ids=["nn", "tn", "nt", "tt"])
+def test_shapes_and_orientations(shape, ta, tb):
+    _shape_case(shape, ta, tb)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ta,tb", ORIENT, ids=["nn", "tn", "nt", "tt"])
+def test_packed_path_everywhere(shape, ta, tb, force_packed):
+    """The packed path at every shape (edges in M, N and K; K over several KC blocks)."""
+    assert _shape_case(shape, ta, tb)[1] == "packed"
+
+
+def test_paths_are_covered_and_rowvec_matches_packed():
+    """The shape list reaches every path; rowvec runs the same FMA chain per element as the
+    packed path, so the two agree bit for bit (the dot path sums in another fixed order)."""
+    seen = set()
+    rng = np.random.default_rng(1)
+    for shape in SHAPES:
+        M, K, N = shape
+        A, B = _data(rng, M, K), _data(rng, K, N)
+        for ta, tb in ORIENT:
+            with fu.ExecContext(threads=2) as ctx:
+                a, b = _operand(ctx, A, ta), _operand(ctx, B, tb)
+                path = mm.path_of(a, b)
+                seen.add(path)
+                got = gemm(ctx, a, b).to_numpy()
+                if path.startswith("rowvec"):
+                    saved = mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B
+                    mm.SMALL_M = mm.DOT_N = mm.RV_MAX_B = 0
+                    mm._plans.clear()
+                    try:
+                        assert mm.path_of(a, b) == "packed"
+                        assert_bitwise(got, gemm(ctx, a, b).to_numpy())
+                    finally:
+                        mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B = saved
+                        mm._plans.clear()
+    assert seen == {"rowvec", "rowvec packed-b", "dot", "dot copied-b", "packed"}
+
+
+@pytest.mark.parametrize("tb", [False, True], ids=["nn", "nt"])
+def test_big(tb):
+    """256 x 1024 x 1024: x·W and x·Wᵀ (one big shape per common orientation keeps it fast)."""
+    ta = False
+    M, K, N = 256, 1024, 1024
+    rng = np.random.default_rng(7)
+    A, B = _data(rng, M, K), _data(rng, K, N)
+    got = _both_threads(lambda ctx: _product(ctx, A, B, ta, tb))
+    assert np.abs(got - _ref(A, B)).max() <= _tol(A, B)
+
+
+def test_orientation_does_not_change_packed_bits():
+    """Packing reads every orientation into the same panels: same bits for all four."""
+    rng = np.random.default_rng(3)
+    A, B = _data(rng, 70, 300), _data(rng, 300, 90)
+    with fu.ExecContext(threads=2) as ctx:
+        res = [_product(ctx, A, B, ta, tb) for ta, tb in ORIENT]
+    for r in res[1:]:
+        assert_bitwise(r, res[0])
+
+
+def test_batched():
+    rng = np.random.default_rng(11)
+    A, B = _data(rng, 3, 37, 65), _data(rng, 3, 65, 29)
+    for ta, tb in ORIENT:
+        got = _both_threads(lambda ctx: _product(ctx, A, B, ta, tb))
+        assert got.shape == (3, 37, 29)
+        assert np.abs(got - _ref(A, B)).max() <= _tol(A, B)
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 65, 29), (4, 2, 300, 40), (2, 64, 64, 64),
+                                   (5, 200, 256, 8)])
+def test_batch_broadcast(shape):
+    nb, M, K, N = shape
+    rng = np.random.default_rng(nb + M)
+    A, B = _data(rng, nb, M, K), _data(rng, 1, K, N)
+    A1, B1 = _data(rng, 1, M, K), _data(rng, nb, K, N)
+
+    def run(ctx):
+        b = ctx.from_numpy(B).broadcast_to((nb, K, N))
+        a1 = ctx.from_numpy(A1).broadcast_to((nb, M, K))
+        assert b.strides[0] == 0 and a1.strides[0] == 0
+        return np.stack([gemm(ctx, ctx.from_numpy(A), b).to_numpy(),
+                         gemm(ctx, a1, ctx.from_numpy(B1)).to_numpy()])
+
+    got = _both_threads(run)
+    assert np.abs(got[0] - _ref(A, np.broadcast_to(B, (nb, K, N)))).max() <= _tol(A, B)
+    assert np.abs(got[1] - _ref(np.broadcast_to(A1, (nb, M, K)), B1)).max() <= _tol(A1, B1)
+
+
+@pytest.mark.parametrize("MKN", [(9, 12, 7), (30, 40, 50)], ids=["rowvec", "packed"])
+def test_many_batch_axes(MKN):
+    """Five batch axes that cannot be merged (a's are permuted): the leading ones loop outside."""
+    M, K, N = MKN
+    rng = np.random.default_rng(5)
+    A = _data(rng, 2, 3, 2, 3, 2, M, K)
+    B = _data(rng, 2, 3, 2, 3, 2, K, N)
+    perm = (4, 3, 2, 1, 0, 5, 6)
+
+    def run(ctx):
+        a = ctx.from_numpy(A).permute(perm)
+        b = ctx.from_numpy(B)
+        assert mm.path_of(a, b).endswith("outer")
+        return gemm(ctx, a, b).to_numpy()
+
+    got = _both_threads(run)
+    want = _ref(A.transpose(perm), B)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= _tol(A, B)
+
+
+@pytest.mark.parametrize("shape", [(37, 129, 65), (2, 300, 50), (300, 400, 10)])
+def test_non_contiguous_views(shape):
+    M, K, N = shape
+    rng = np.random.default_rng(M + N)
+    A, B = _data(rng, M + 5, 2 * K + 3), _data(rng, K + 4, N + 9)
+
+    def run(ctx):
+        a = ctx.from_numpy(A).narrow(0, 2, M).narrow(1, 1, 2 * K)
+        a = a.view((M, K), (a.strides[0], 2), a.offset)            # every other column
+        b = ctx.from_numpy(B).narrow(0, 3, K).narrow(1, 4, N)      # rows padded by 9
+        return gemm(ctx, a, b).to_numpy()
+
+    got = _both_threads(run)
+    Av, Bv = A[2:2 + M, 1:1 + 2 * K:2], B[3:3 + K, 4:4 + N]
+    assert np.abs(got - _ref(Av, Bv)).max() <= _tol(Av, Bv)
+
+
+@pytest.mark.parametrize("shape", [(37, 129, 65), (2, 300, 50), (300, 40, 6), (40, 700, 600)])
+def test_zero_strides_inside_the_matrices(shape):
+    """Broadcast rows of a (stride 0 along M) and broadcast columns of b (stride 0 along N)."""
+    M, K, N = shape
+    rng = np.random.default_rng(M + 2 * K)
+    arow, bcol = _data(rng, 1, K), _data(rng, K, 1)
+    A, B = np.broadcast_to(arow, (M, K)), np.broadcast_to(bcol, (K, N))
+
+    def run(ctx):
+        a = ctx.from_numpy(arow).broadcast_to((M, K))
+        b = ctx.from_numpy(bcol).broadcast_to((K, N))
+        assert a.strides[0] == 0 and b.strides[1] == 0
+        return gemm(ctx, a, b).to_numpy()
+
+    got = _both_threads(run)
+    assert np.abs(got - _ref(A, B)).max() <= _tol(A, B)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("shape", [(37, 129, 65), (2, 300, 50), (1, 1000, 37), (256, 512, 8),
+                                   (3, 17, 40)])
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+def test_half_b_widens_exactly(dtype, shape, tb):
+    """f16/bf16 b gives the bits of the f32 product with b widened (widening is exact)."""
+    M, K, N = shape
+    rng = np.random.default_rng(K)
+    A, B = _data(rng, M, K), _data(rng, K, N)
+    Bw = (B.astype(np.float16).astype(np.float32) if dtype == "f16"
+          else bf16_bits_to_f32(f32_to_bf16_bits(B)))
+
+    def run(ctx):
+        a = ctx.from_numpy(A)
+        half = gemm(ctx, a, _operand(ctx, B, tb, dtype)).to_numpy()
+        wide = gemm(ctx, a, _operand(ctx, Bw, tb)).to_numpy()
+        assert_bitwise(half, wide)
+        return half
+
+    got = _both_threads(run)
+    assert np.abs(got - _ref(A, Bw)).max() <= _tol(A, Bw)
+
+
+@pytest.mark.parametrize("shape", [(37, 129, 65), (20, 700, 90), (2, 300, 50), (1, 1000, 37),
+                                   (256, 512, 8), (3, 5, 4), (3, 700, 500), (40, 530, 700)])
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+def test_accumulate_and_out(shape, tb):
+    """out += a·b is out + (the plain product), rounded once: bitwise."""
+    M, K, N = shape
+    rng = np.random.default_rng(M * K)
+    A, B, C0 = _data(rng, M, K), _data(rng, K, N), _data(rng, M, N)
+
+    def run(ctx):
+        a, b = ctx.from_numpy(A), _operand(ctx, B, tb)
+        plain = gemm(ctx, a, b).to_numpy()
+        out = ctx.empty((M, N))
+        r = gemm(ctx, a, b, out=out)
+        assert r is out
+        assert_bitwise(out.to_numpy(), plain)
+        acc = ctx.from_numpy(C0)
+        r = gemm(ctx, a, b, out=acc, accumulate=True)
+        assert r is acc
+        assert_bitwise(acc.to_numpy(), C0 + plain)
+        return acc.to_numpy()
+
+    got = _both_threads(run)
+    assert np.abs(got - (C0 + _ref(A, B))).max() <= _tol(A, B, 1e-6 * np.abs(C0).max())
+
+
+def test_accumulate_batched_broadcast():
+    rng = np.random.default_rng(2)
+    A, B, C0 = _data(rng, 3, 20, 600), _data(rng, 1, 600, 40), _data(rng, 3, 20, 40)
+
+    def run(ctx):
+        acc = ctx.from_numpy(C0)
+        gemm(ctx, ctx.from_numpy(A), ctx.from_numpy(B).broadcast_to((3, 600, 40)), out=acc,
+             accumulate=True)
+        return acc.to_numpy()
+
+    got = _both_threads(run)
+    assert np.abs(got - (C0 + _ref(A, B))).max() <= _tol(A, B, 1e-6)
+
+
+def test_special_values_stay_in_their_element():
+    """inf/nan in one row of a reach only that row of c (zero padding never leaks)."""
+    A = np.ones((20, 40), np.float32)
+    A[3, 5] = np.inf
+    A[17, 0] = np.nan
+    B = np.ones((40, 50), np.float32)
+    with fu.ExecContext(threads=2) as ctx:
+        c = gemm(ctx, ctx.from_numpy(A), ctx.from_numpy(B)).to_numpy()
+    assert np.isinf(c[3]).all() and np.isnan(c[17]).all()
+    rest = np.delete(c, [3, 17], axis=0)
+    assert (rest == 40).all()
+
+
+def test_cold_compile_equals_warm_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUCINA_CACHE_DIR", str(tmp_path))  # a private cache: this test compiles
+    for var in ("FUCINA_CACHE", "FUCINA_ASSERT_WARM", "FUCINA_RECORD_MANIFEST"):
+        monkeypatch.delenv(var, raising=False)
+    rng = np.random.default_rng(9)
+    cases = [(_data(rng, 37, 300), _data(rng, 300, 65), False),   # packed
+             (_data(rng, 2, 300), _data(rng, 300, 50), False),     # rowvec
+             (_data(rng, 1, 300), _data(rng, 300, 50), True)]      # dot
+
+    def forget():
+        for k in [k for k in kernels._memo if k.family.startswith("gemm")]:
+            del kernels._memo[k]
+        mm._plans.clear()
+
+    def run():
+        with fu.ExecContext(threads=2) as ctx:
+            return [gemm(ctx, ctx.from_numpy(A), _operand(ctx, B, tb)).to_numpy()
+                    for A, B, tb in cases]
+
+    forget()
+    n0 = kernels.stats.compiled
+    cold = run()
+    assert kernels.stats.compiled > n0
+    forget()
+    l0, c0 = kernels.stats.loaded, kernels.stats.compiled
+    warm = run()
+    assert kernels.stats.compiled == c0 and kernels.stats.loaded > l0
+    for x, y in zip(cold, warm):
+        assert_bitwise(x, y)
+
+
+def test_bad_inputs(ctx):
+    a = ctx.from_numpy(np.ones((3, 4), np.float32))
+    b = ctx.from_numpy(np.ones((4, 5), np.float32))
+    with pytest.raises(fu.DTypeError, match="operand a"):
+        gemm(ctx, ctx.from_numpy(np.ones((3, 4)), dtype="f16"), b)
+    with pytest.raises(fu.DTypeError, match="operand b"):
+        gemm(ctx, a, ctx.from_numpy(np.ones((4, 5)), dtype="i64"))
+    with pytest.raises(fu.ShapeMismatch, match="contraction"):
+        gemm(ctx, a, ctx.from_numpy(np.ones((5, 5), np.float32)))
+    with pytest.raises(fu.ShapeMismatch, match="rank"):
+        gemm(ctx, a, ctx.from_numpy(np.ones((2, 4, 5), np.float32)))
+    with pytest.raises(fu.ShapeMismatch, match="rank"):
+        v = ctx.from_numpy(np.ones((4,), np.float32))
+        gemm(ctx, v, v)
+    with pytest.raises(fu.ShapeMismatch, match="batch"):
+        gemm(ctx, ctx.from_numpy(np.ones((2, 3, 4), np.float32)),
+             ctx.from_numpy(np.ones((3, 4, 5), np.float32)))
+    with pytest.raises(fu.ShapeMismatch, match="operand out"):
+        gemm(ctx, a, b, out=ctx.empty((3, 4)))
+    with pytest.raises(fu.DTypeError, match="operand out"):
+        gemm(ctx, a, b, out=ctx.empty((3, 5), "f16"))
+    with pytest.raises(fu.ShapeMismatch, match="operand out"):
+        gemm(ctx, a, b, out=ctx.empty((5, 3)).permute((1, 0)))
+    with pytest.raises(fu.FucinaError):
+        gemm(ctx, a, b, out=ctx.empty((3, 5)).permute((1, 0)).permute((1, 0)).view((3, 5), (1, 3)))
+
+
+def _hot_loop(asm: str) -> list[str]:
+    """The innermost loop (label ... backward jump to it) with the most FMAs: among loops, the
+    one whose body has the most FMAs and, for equal counts, the shortest body."""
+    lines = asm.splitlines()
+    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines)
+              if ln.startswith(".LBB") and ln.rstrip().endswith(":")}
+    loops = []
+    for j, ln in enumerate(lines):
+        parts = ln.split()
+        if len(parts) == 2 and parts[0].startswith("j") and parts[1] in labels:
+            i = labels[parts[1]]
+            if i < j:
+                loops.append(lines[i:j + 1])
+    # innermost: drop loops that contain another loop's label and back-jump
+    inner = [b for b in loops if not any(o is not b and len(o) < len(b) and o[0] in b and o[-1] in b
+                                         for o in loops)]
+    return max(inner, key=lambda b: sum("vfmadd" in x for x in b), default=[])
+
+
+def test_micro_kernel_inner_loop_is_tight():
+    """The tile kernel's hot loop: MR x NR/16 x UNROLL zmm FMAs, no stack traffic (no spills)."""
+    from fucina.codegen import gemm as g
+    from fucina.codegen.jit import assembly
+    from fucina.codegen.target import host
+
+    key = g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL)
+    body = _hot_loop(assembly(key.ir("k")))
+    fmas = [x for x in body if "vfmadd" in x]
+    reg = {512: "zmm", 256: "ymm"}.get(host().vector_bits, "xmm")
+    assert len(fmas) == g.mr() * g.NR_VECS * g.UNROLL
+    assert all(reg in x for x in fmas)
+    assert not [x for x in body if "rsp" in x or "rbp)" in x], "stack traffic in the hot loop"
