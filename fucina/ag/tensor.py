@@ -21,14 +21,17 @@ from .inplace import InplaceMethods
 from .loss import LossMethods
 from .masks import MaskMethods
 from .matmul import MatmulMethods
+from .norm import NormMethods
 from .reduce import ReduceMethods
 from .rng import RngMethods
 from .shape import ShapeMethods
+from .softmax import SoftmaxMethods
 from .typed import TypedMethods
 
 
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
-             ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods, RngMethods):
+             ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods, RngMethods,
+             SoftmaxMethods, NormMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in

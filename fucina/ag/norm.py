@@ -1,0 +1,155 @@
+"""Normalization with its backward rules (SPEC §3.10): layer_norm, rms_norm, rms_norm_mul,
+rms_norm_mul_add and standardize_axis, differentiable in every tensor operand.
+
+One fused row kernel per direction: the forward saves per-row statistics (mean, 1/denominator,
+std for eps outside the sqrt), the backward is one pass per row plus the weight/bias sums over
+rows (per-chunk partials over a fixed row grid, folded in chunk order). Rows are laid out as in
+ag/softmax.py: the normalized axis last and contiguous.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+
+from .. import axes
+from ..errors import DTypeError, InvalidShape, ShapeMismatch, TagError
+from ..exec import elementwise as ew
+from ..exec import norm as exn
+from .checks import real, same_ctx
+from .engine import finish_op
+from .softmax import from_rows, rows_of, to_rows
+
+EPS_MODES = {"outside_sqrt": "outside", "inside_sqrt": "inside"}
+ACCUMULATIONS = ("f32", "f64")
+
+
+def _f32(op, what, r):
+    if r.dtype != "f32":
+        raise DTypeError(f"{op}: expected an f32 {what}, got {r.dtype}")
+
+
+def _param(op, what, x, p, tag, K, strict: bool):
+    """A rank-1 weight/bias of length K: tagged (tag,), or (strict=False) any single tag."""
+    same_ctx(op, x, p)
+    r = p._live(op)
+    if r.rank != 1 or (strict and p.tags != (tag,)):
+        raise TagError(f"{op}: expected {what} tagged ({tag!r},), got tags {p.tags}")
+    if r.shape[0] != K:
+        raise ShapeMismatch(f"{op}: expected {what} of length {K} (dim of {tag!r}), got {r.shape[0]}")
+    _f32(op, what, r)
+    return ew.materialize(r.ctx, r)  # the kernels read it with unit stride
+
+
+def normalize(op, x, tag, spec: exn.NormSpec, weight=None, bias=None, residual=None,
+              strict_tags: bool = False):
+    """The shared body: validate, lay out rows, run the forward, record the backward."""
+    r = x._live(op)
+    ctx = r.ctx
+    ax = axes.axis_of(x.tags, tag, op)
+    K = r.shape[ax]
+    rv = None
+    if residual is not None:
+        same_ctx(op, x, residual)
+        rr = residual._live(op)
+        if set(residual.tags) != set(x.tags) or len(residual.tags) != len(x.tags):
+            raise TagError(f"{op}: expected residual with self's tags {x.tags}, got {residual.tags}")
+        rv = rr.permute([residual.tags.index(t) for t in x.tags])  # in self's axis order
+    wr = _param(op, "weight", x, weight, tag, K, strict_tags) if weight is not None else None
+    br = _param(op, "bias", x, bias, tag, K, strict_tags) if bias is not None else None
+    if rv is not None and rv.shape != r.shape:
+        raise ShapeMismatch(f"{op}: expected residual of shape {r.shape} (self's), got {rv.shape} "
+                            f"in self's axis order")
+    _f32(op, "tensor", r)
+    if rv is not None:
+        _f32(op, "residual", rv)
+    perm, rows = to_rows(ctx, r, ax)
+    res_rows = rows_of(ctx, rv, perm) if rv is not None else None
+    y, stats = exn.forward(ctx, spec, rows, wr, br, res_rows)
+    out = from_rows(ctx, y, r.shape, perm)
+    operands = (x, weight, bias, residual)
+    rperm = None if residual is None else [x.tags.index(t) for t in residual.tags]
+    saved = (ctx, spec, rows, stats, wr, br is not None, perm, r.shape, rperm)
+    return finish_op(op, out, x.tags, operands,
+                     lambda needs: functools.partial(_grads, saved, needs))
+
+
+def _grads(saved, needs, g):
+    ctx, spec, rows, stats, wr, has_bias, perm, shape, rperm = saved
+    gr = rows_of(ctx, g, perm)
+    dx, dw, db = exn.backward(ctx, spec, rows, gr, stats, wr, has_bias,
+                              param_grads=needs[1] or needs[2])
+    gres = None
+    if needs[3]:  # the residual's gradient is g, in the residual's own axis order
+        gres = g if rperm == sorted(rperm) else ew.materialize(ctx, g.permute(rperm))
+    return (from_rows(ctx, dx, shape, perm) if needs[0] else None,
+            dw if needs[1] else None, db if needs[2] else None, gres)
+
+
+def _eps(op, eps) -> float:
+    return real(op, eps)
+
+
+class NormMethods:
+    """Tensor methods of the normalization family (SPEC §3.10)."""
+
+    __slots__ = ()
+
+    def layer_norm(self, tag: str, eps: float, weight=None, bias=None):
+        """(x - mean) / sqrt(var + eps) over `tag` (biased var), then * weight + bias when given
+        (both or neither); weight/bias rank-1 of length dim(tag)."""
+        op = "layer_norm"
+        if (weight is None) != (bias is None):
+            raise TypeError(f"{op}: weight and bias must be given together (both or neither)")
+        spec = exn.NormSpec(center=True, eps=_eps(op, eps))
+        return self._result(*normalize(op, self, tag, spec, weight, bias))
+
+    def rms_norm(self, tag: str, eps: float, weight=None):
+        """x / sqrt(mean(x^2) + eps) over `tag`, times weight (tags (tag,)) when given."""
+        op = "rms_norm"
+        spec = exn.NormSpec(center=False, eps=_eps(op, eps))
+        return self._result(*normalize(op, self, tag, spec, weight, strict_tags=True))
+
+    def rms_norm_mul(self, tag: str, weight, eps: float):
+        """rms_norm(x) * weight, weight tagged (tag,)."""
+        op = "rms_norm_mul"
+        spec = exn.NormSpec(center=False, eps=_eps(op, eps))
+        if weight is None:
+            raise TypeError(f"{op}: expected a weight tensor, got None")
+        return self._result(*normalize(op, self, tag, spec, weight, strict_tags=True))
+
+    def rms_norm_mul_add(self, tag: str, weight, residual, eps: float):
+        """rms_norm(x) * weight + residual (residual with self's tags and shape)."""
+        op = "rms_norm_mul_add"
+        spec = exn.NormSpec(center=False, eps=_eps(op, eps))
+        if weight is None or residual is None:
+            raise TypeError(f"{op}: expected weight and residual tensors")
+        return self._result(*normalize(op, self, tag, spec, weight, residual=residual,
+                                       strict_tags=True))
+
+    def standardize_axis(self, tag: str, *, ddof: int = 0, eps: float = 0.0,
+                         eps_mode: str = "outside_sqrt", accumulation: str = "f32",
+                         valid_len: int | None = None):
+        """(x - mean) / denom over `tag`: outside_sqrt denom = sqrt(var_ddof) + eps, inside_sqrt
+        sqrt(var_ddof + eps); accumulation f32 | f64; valid_len: only the first valid_len
+        entries are standardized, the rest are 0 (with 0 gradient)."""
+        op = "standardize_axis"
+        r = self._live(op)
+        ax = axes.axis_of(self.tags, tag, op)
+        if eps_mode not in EPS_MODES:
+            raise ValueError(f"{op}: expected eps_mode in {tuple(EPS_MODES)}, got {eps_mode!r}")
+        if accumulation not in ACCUMULATIONS:
+            raise ValueError(f"{op}: expected accumulation in {ACCUMULATIONS}, got {accumulation!r}")
+        if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral):
+            raise TypeError(f"{op}: expected an integer ddof, got {ddof!r}")
+        if ddof < 0:
+            raise InvalidShape(f"{op}: expected ddof >= 0, got {ddof}")
+        K = r.shape[ax]
+        if valid_len is not None:
+            if isinstance(valid_len, bool) or not isinstance(valid_len, numbers.Integral):
+                raise TypeError(f"{op}: expected an integer valid_len, got {valid_len!r}")
+            if not 0 <= valid_len <= K:
+                raise InvalidShape(f"{op}: expected 0 <= valid_len <= {K} (dim of {tag!r}), got {valid_len}")
+            valid_len = int(valid_len)
+        spec = exn.NormSpec(center=True, eps=_eps(op, eps), eps_mode=EPS_MODES[eps_mode],
+                            ddof=int(ddof), acc=accumulation, valid_len=valid_len)
+        return self._result(*normalize(op, self, tag, spec))

@@ -1,0 +1,128 @@
+"""Softmax family at the exec layer: rows [R, K] with the op axis contiguous, the options of
+SPEC §3.9 already resolved to row geometry (the autograd layer permutes and validates).
+
+A work item is a run of whole rows (how many depends on K alone), so results never depend on
+the thread count.
+"""
+from __future__ import annotations
+
+from ..codegen import kernels
+from ..codegen.softmax import MASK_DIMS, SoftmaxKey
+from .elementwise import f32_bits, run
+from .raw import RawTensor, numel
+
+WORK_PER_CHUNK = 1 << 15
+
+
+def _per(K: int) -> int:
+    return max(1, WORK_PER_CHUNK // K)
+
+
+def _inner(shape, pos: int) -> int:
+    return numel(shape[pos + 1:])
+
+
+def mask_dims(outer_shape, strides):
+    """Coalesce the outer axes of a mask view: drop size-1 axes, merge neighbours the mask walks
+    contiguously (or broadcasts over both). -> [(inner, dim, stride)] outermost first, where
+    inner = the number of rows one step of that axis spans."""
+    dims = [(d, s) for d, s in zip(outer_shape, strides) if d != 1]
+    merged = []
+    for d, s in dims:
+        if merged and merged[-1][1] == s * d:
+            pd, _ = merged[-1]
+            merged[-1] = (pd * d, s)
+        else:
+            merged.append((d, s))
+    out, inner = [], 1
+    for d, s in reversed(merged):
+        out.append((inner, d, s))
+        inner *= d
+    return out[::-1]
+
+
+def softmax(ctx, x: RawTensor, outer_shape, scale: float, mask=None, slopes=None, sinks=None,
+            head=None, causal=None) -> RawTensor:
+    """Softmax of contiguous rows x [R, K] (R = prod(outer_shape)).
+
+    mask: None or a view of shape outer_shape + (K,) (zero strides where it broadcasts) of an
+    f32/f16/bf16 tensor whose row axis stride is 1 or 0; slopes/sinks: None or f32 [H] raws;
+    head: position of the head axis in outer_shape (needed by slopes/sinks, else None);
+    causal: (position of the query axis in outer_shape, source offset) or None."""
+    R, K = x.shape
+    out = ctx.empty((R, K), "f32")
+    geo = [0] * (3 * MASK_DIMS)
+    mdt, mcol, maddr = "none", "unit", 0
+    if mask is not None:
+        mdt = mask.dtype
+        mcol = "zero" if mask.strides[-1] == 0 else "unit"
+        dims = mask_dims(outer_shape, mask.strides[:-1])
+        if len(dims) > MASK_DIMS:  # a pathological broadcast pattern: spell the mask out
+            full = run(ctx, "copy", mdt, mask.shape, [mask])
+            mcol = "unit"
+            dims = [(1, R, K)]
+            mask = full
+        geo = [1, 1, 0] * MASK_DIMS
+        for i, d in enumerate(dims):
+            geo[3 * i:3 * i + 3] = d
+        maddr = mask.addr
+    hin, H = (1, 1) if head is None else (_inner(outer_shape, head), outer_shape[head])
+    qin, Q, off = (1, 1, 0) if causal is None else (_inner(outer_shape, causal[0]),
+                                                    outer_shape[causal[0]], causal[1])
+    key = SoftmaxKey("softmax", mdt, mcol, slopes is not None, sinks is not None, causal is not None)
+    per = _per(K)
+    ctx.launch(kernels.get(key), -(-R // per), R * K * 4 * (2 if mask is None else 3),
+               x.addr, out.addr, maddr, 0 if slopes is None else slopes.addr,
+               0 if sinks is None else sinks.addr, R, K, f32_bits(scale), per, *geo,
+               hin, H, qin, Q, off)
+    return out
+
+
+def softmax_backward(ctx, y: RawTensor, g: RawTensor, scale: float) -> RawTensor:
+    """dx = (y * (g - sum(g*y))) * scale per row; y, g contiguous [R, K]."""
+    R, K = y.shape
+    dx = ctx.empty((R, K), "f32")
+    per = _per(K)
+    ctx.launch(kernels.get(SoftmaxKey("softmax_bwd")), -(-R // per), R * K * 12,
+               y.addr, g.addr, dx.addr, R, K, f32_bits(scale), per)
+    return dx
+
+
+def log_softmax(ctx, x: RawTensor) -> RawTensor:
+    """(x - m) - log sum exp(x - m) per row, m shifted to 0 when not finite."""
+    R, K = x.shape
+    out = ctx.empty((R, K), "f32")
+    per = _per(K)
+    ctx.launch(kernels.get(SoftmaxKey("log_softmax")), -(-R // per), R * K * 8,
+               x.addr, out.addr, R, K, per)
+    return out
+
+
+def log_softmax_backward(ctx, y: RawTensor, g: RawTensor) -> RawTensor:
+    """dx = g - exp(y) * sum g per row."""
+    R, K = y.shape
+    dx = ctx.empty((R, K), "f32")
+    per = _per(K)
+    ctx.launch(kernels.get(SoftmaxKey("log_softmax_bwd")), -(-R // per), R * K * 12,
+               y.addr, g.addr, dx.addr, R, K, per)
+    return dx
+
+
+def logsumexp(ctx, x: RawTensor) -> RawTensor:
+    """log sum exp(x - m) + m per row -> [R]; m shifted to 0 when not finite."""
+    R, K = x.shape
+    out = ctx.empty((R,), "f32")
+    per = _per(K)
+    ctx.launch(kernels.get(SoftmaxKey("logsumexp")), -(-R // per), R * K * 4,
+               x.addr, out.addr, R, K, per)
+    return out
+
+
+def logsumexp_backward(ctx, x: RawTensor, lse: RawTensor, g: RawTensor) -> RawTensor:
+    """dx = g[r] * exp(x - lse[r]); g contiguous [R]."""
+    R, K = x.shape
+    dx = ctx.empty((R, K), "f32")
+    per = _per(K)
+    ctx.launch(kernels.get(SoftmaxKey("logsumexp_bwd")), -(-R // per), R * K * 8,
+               x.addr, lse.addr, g.addr, dx.addr, R, K, per)
+    return dx

@@ -1,0 +1,278 @@
+"""Normalization (SPEC §3.10): layer_norm, rms_norm, rms_norm_mul, rms_norm_mul_add and
+standardize_axis against torch (values and every gradient), finite differences, the
+acceptances, bad input and bitwise thread invariance."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fucina as fu
+from conftest import assert_bitwise
+
+RNG = np.random.default_rng(5)
+TAGS = ("b", "s", "d")
+SHAPE = (2, 3, 37)
+
+
+def rand(shape, s=1.0, mean=0.0):
+    return (RNG.standard_normal(shape) * s + mean).astype(np.float32)
+
+
+def run_both(ctx, arrays, tags, fu_fn, torch_fn, atol=1e-5, rtol=1e-5):
+    """arrays: the operands (numpy); tags: theirs. Compares the value and the gradient of
+    sum(y * w) with respect to every operand."""
+    vs = [ctx.variable(a, t) for a, t in zip(arrays, tags)]
+    ts = [torch.tensor(a, requires_grad=True) for a in arrays]
+    y = fu_fn(*vs)
+    ty = torch_fn(*ts)
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=rtol, atol=atol)
+    w = rand(y.shape)
+    (y * ctx.tensor(w, y.tags)).sum_all().backward()
+    (ty * torch.from_numpy(w)).sum().backward()
+    for v, t in zip(vs, ts):
+        np.testing.assert_allclose(v.grad().numpy(), t.grad.numpy(), rtol=rtol, atol=atol)
+    return y
+
+
+def moved(fn, axis):
+    """A torch op over the last axis applied to `axis` instead."""
+    return lambda t, *rest: fn(t.movedim(axis, -1), *rest).movedim(-1, axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptances (SPEC §3.10)
+
+def test_acceptance(ctx):
+    x = ctx.tensor([[1.0, 3.0]], ("r", "d"))
+    assert x.layer_norm("d", 0.0).numpy().tolist() == [[-1.0, 1.0]]
+    assert x.rms_norm("d", 0.0).numpy()[0, 1] == pytest.approx(3 / np.sqrt(5), rel=1e-6)
+    s = ctx.tensor([1.0, 2.0, 3.0, 4.0], ("d",)).standardize_axis("d")
+    assert s.numpy()[3] == pytest.approx(1.5 / np.sqrt(1.25), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# against torch
+
+@pytest.mark.parametrize("axis", [2, 1])
+def test_layer_norm_against_torch(ctx, axis):
+    a = rand(SHAPE, 2.0, 1.0)
+    tag, K = TAGS[axis], SHAPE[axis]
+    run_both(ctx, [a], [TAGS], lambda x: x.layer_norm(tag, 1e-5),
+             moved(lambda t: F.layer_norm(t, (K,), eps=1e-5), axis))
+    w, b = rand(K), rand(K)
+    run_both(ctx, [a, w, b], [TAGS, (tag,), (tag,)], lambda x, w, b: x.layer_norm(tag, 1e-5, weight=w, bias=b),
+             moved(lambda t, w, b: F.layer_norm(t, (K,), w, b, 1e-5), axis))
+
+
+@pytest.mark.parametrize("K", [1, 7, 16, 64, 100, 1000])
+def test_row_lengths(ctx, K):
+    a = rand((3, K), 3.0, 2.0)
+    w, b = rand(K), rand(K)
+    if K == 1:  # x - mean is exactly 0 here (torch leaves rounding noise in its weight gradient)
+        assert (ctx.tensor(a, ("r", "d")).layer_norm("d", 1e-5).numpy() == 0).all()
+    else:
+        run_both(ctx, [a, w, b], [("r", "d"), ("d",), ("d",)],
+                 lambda x, w, b: x.layer_norm("d", 1e-5, weight=w, bias=b),
+                 lambda t, w, b: F.layer_norm(t, (K,), w, b, 1e-5))
+    run_both(ctx, [a, w], [("r", "d"), ("d",)], lambda x, w: x.rms_norm("d", 1e-6, weight=w),
+             lambda t, w: F.rms_norm(t, (K,), w, 1e-6))
+
+
+@pytest.mark.parametrize("axis", [2, 0])
+def test_rms_norm_family_against_torch(ctx, axis):
+    a = rand(SHAPE, 2.0)
+    tag, K = TAGS[axis], SHAPE[axis]
+    rms = lambda t, w=None: F.rms_norm(t, (K,), w, 1e-6)
+    run_both(ctx, [a], [TAGS], lambda x: x.rms_norm(tag, 1e-6), moved(rms, axis))
+    w = rand(K)
+    run_both(ctx, [a, w], [TAGS, (tag,)], lambda x, w: x.rms_norm(tag, 1e-6, weight=w), moved(rms, axis))
+    run_both(ctx, [a, w], [TAGS, (tag,)], lambda x, w: x.rms_norm_mul(tag, w, 1e-6), moved(rms, axis))
+    r = rand(SHAPE)
+    run_both(ctx, [a, w, r], [TAGS, (tag,), TAGS], lambda x, w, r: x.rms_norm_mul_add(tag, w, r, 1e-6),
+             lambda t, w, r: moved(rms, axis)(t, w) + r)
+
+
+def test_rms_norm_mul_add_residual_in_another_axis_order(ctx):
+    a = rand(SHAPE)
+    w = rand(37)
+    r = rand((37, 2, 3))  # tags (d, b, s)
+    run_both(ctx, [a, w, r], [TAGS, ("d",), ("d", "b", "s")],
+             lambda x, w, r: x.rms_norm_mul_add("d", w, r, 1e-6),
+             lambda t, w, r: F.rms_norm(t, (37,), w, 1e-6) + r.permute(1, 2, 0))
+
+
+@pytest.mark.parametrize("eps_mode", ["outside_sqrt", "inside_sqrt"])
+@pytest.mark.parametrize("ddof", [0, 1])
+@pytest.mark.parametrize("accumulation", ["f32", "f64"])
+def test_standardize_axis_against_torch(ctx, eps_mode, ddof, accumulation):
+    a = rand(SHAPE, 3.0, 5.0)
+    eps = 1e-3
+
+    def ref(t):
+        c = t - t.mean(-1, keepdim=True)
+        if eps_mode == "outside_sqrt":
+            return c / (t.std(-1, correction=ddof, keepdim=True) + eps)
+        return c / torch.sqrt(t.var(-1, correction=ddof, keepdim=True) + eps)
+    run_both(ctx, [a], [TAGS], lambda x: x.standardize_axis(
+        "d", ddof=ddof, eps=eps, eps_mode=eps_mode, accumulation=accumulation), ref)
+
+
+@pytest.mark.parametrize("valid_len", [0, 1, 20, 37])
+def test_standardize_axis_valid_len(ctx, valid_len):
+    a = rand(SHAPE, 2.0, 1.0)
+    x = ctx.variable(a, TAGS)
+    y = x.standardize_axis("d", ddof=1 if valid_len > 1 else 0, eps=1e-2, valid_len=valid_len)
+    w = rand(SHAPE)
+    (y * ctx.tensor(w, TAGS)).sum_all().backward()
+    got, gx = y.numpy(), x.grad().numpy()
+    assert (got[..., valid_len:] == 0).all() and (gx[..., valid_len:] == 0).all()
+    if valid_len:
+        t = torch.tensor(a[..., :valid_len], requires_grad=True)
+        ref = (t - t.mean(-1, keepdim=True)) / (t.std(-1, correction=1 if valid_len > 1 else 0, keepdim=True) + 1e-2)
+        (ref * torch.from_numpy(w[..., :valid_len])).sum().backward()
+        np.testing.assert_allclose(got[..., :valid_len], ref.detach().numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(gx[..., :valid_len], t.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_f64_accumulation_is_more_accurate(ctx):
+    """A large offset: f64 row sums keep the mean and the variance exact enough."""
+    a = (RNG.standard_normal((4, 4096)) + 3000.0).astype(np.float32)
+    want = (a - a.astype(np.float64).mean(1, keepdims=True)) / a.astype(np.float64).std(1, keepdims=True)
+    x = ctx.tensor(a, ("r", "d"))
+    e32 = np.abs(x.standardize_axis("d").numpy() - want).max()
+    e64 = np.abs(x.standardize_axis("d", accumulation="f64").numpy() - want).max()
+    assert e64 <= 1e-6 and e32 > 1e-5, (e32, e64)
+
+
+def test_standardize_constant_rows(ctx):
+    """std = 0 with eps outside the sqrt: the value is 0 (0 / eps) and, as in torch, the std's
+    derivative at 0 is taken as 0, so the gradient is finite."""
+    a = np.array([[2.0, 2.0, 2.0, 2.0], [1.0, 2.0, 3.0, 5.0]], np.float32)
+    run_both(ctx, [a], [("r", "d")], lambda x: x.standardize_axis("d", ddof=1, eps=1e-3),
+             lambda t: (t - t.mean(-1, keepdim=True)) / (t.std(-1, keepdim=True) + 1e-3))
+
+
+def test_rank_one_input(ctx):
+    a = rand(9, 2.0, 1.0)
+    w, b = rand(9), rand(9)
+    run_both(ctx, [a, w, b], [("d",), ("d",), ("d",)], lambda x, w, b: x.layer_norm("d", 1e-5, weight=w, bias=b),
+             lambda t, w, b: F.layer_norm(t, (9,), w, b, 1e-5))
+
+
+def test_layer_norm_untagged_weight(ctx):
+    """A rank-1 weight/bias with a tag other than the normalized one is accepted (length checked)."""
+    a = rand((3, 8))
+    w, b = rand(8), rand(8)
+    y = ctx.tensor(a, ("r", "d")).layer_norm("d", 1e-5, weight=ctx.tensor(w, ("x",)), bias=ctx.tensor(b, ("x",)))
+    want = F.layer_norm(torch.from_numpy(a), (8,), torch.from_numpy(w), torch.from_numpy(b), 1e-5)
+    np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_constant_weight_and_variable_weight_only(ctx):
+    """needs_grad pruning: gradients only for the operands that require them."""
+    a, w, b = rand((4, 8)), rand(8), rand(8)
+    x = ctx.tensor(a, ("r", "d"))
+    wv = ctx.variable(w, ("d",))
+    y = x.layer_norm("d", 1e-5, weight=wv, bias=ctx.tensor(b, ("d",)))
+    y.sum_all().backward()
+    tw = torch.tensor(w, requires_grad=True)
+    F.layer_norm(torch.from_numpy(a), (8,), tw, torch.from_numpy(b), 1e-5).sum().backward()
+    np.testing.assert_allclose(wv.grad().numpy(), tw.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# finite differences
+
+def test_gradcheck_every_op(ctx1):
+    a = rand((3, 5), 1.0, 0.5)
+    w, b, r = rand(5), rand(5), rand((3, 5))
+    cases = [
+        (lambda x: x.layer_norm("d", 1e-5), []),
+        (lambda x, w, b: x.layer_norm("d", 1e-5, weight=w, bias=b), [w, b]),
+        (lambda x: x.layer_norm("r", 1e-5), []),
+        (lambda x: x.rms_norm("d", 1e-6), []),
+        (lambda x, w: x.rms_norm("d", 1e-6, weight=w), [w]),
+        (lambda x, w: x.rms_norm_mul("d", w, 1e-6), [w]),
+        (lambda x, w, r: x.rms_norm_mul_add("d", w, r, 1e-6), [w, r]),
+        (lambda x: x.standardize_axis("d", ddof=1, eps=1e-2), []),
+        (lambda x: x.standardize_axis("d", eps=1e-2, eps_mode="inside_sqrt", accumulation="f64"), []),
+        (lambda x: x.standardize_axis("d", eps=1e-2, valid_len=3), []),
+    ]
+    wy = ctx1.tensor(rand((3, 5)), ("r", "d"))
+    for fn, extra in cases:
+        tags = [("r", "d")] + [("d",) if e.ndim == 1 else ("r", "d") for e in extra]
+        vs = [ctx1.variable(v, t) for v, t in zip([a] + extra, tags)]
+        res = fu.gradcheck(lambda *v, fn=fn: (fn(*v) * wy).sum_all(), vs)
+        assert res.checked == sum(v.numel for v in vs)
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism
+
+def test_thread_invariance(ctx1, ctx2):
+    """Rows spread over many work items (the weight/bias sums over many chunk partials):
+    every value and gradient bitwise equal at 1 and 2 threads."""
+    K = 700
+    a, w, b, r, g = rand((300, K), 2.0, 1.0), rand(K), rand(K), rand((300, K)), rand((300, K))
+    outs = []
+    for c in (ctx1, ctx2):
+        x, rv = c.variable(a, ("r", "d")), c.variable(r, ("r", "d"))
+        wv, bv = c.variable(w, ("d",)), c.variable(b, ("d",))
+        gt = c.tensor(g, ("r", "d"))
+        res = []
+        for fn, ps in ((lambda: x.layer_norm("d", 1e-5, weight=wv, bias=bv), (x, wv, bv)),
+                       (lambda: x.rms_norm_mul_add("d", wv, rv, 1e-6), (x, wv, rv)),
+                       (lambda: x.standardize_axis("d", ddof=1, eps=1e-3, accumulation="f64"), (x,)),
+                       (lambda: x.layer_norm("r", 1e-5), (x,))):
+            y = fn()
+            y.backward(grad=gt)
+            res.append(y.numpy())
+            for p in ps:
+                res.append(p.grad().numpy())
+                p.zero_grad()
+        outs.append(res)
+    for u, v in zip(*outs):
+        assert_bitwise(u, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+def test_errors(ctx):
+    x = ctx.tensor(np.zeros((2, 4), np.float32), ("r", "d"))
+    w4, w3 = ctx.ones((4,), ("d",)), ctx.ones((3,), ("d",))
+    with pytest.raises(TypeError):
+        x.layer_norm("d", 1e-5, weight=w4)
+    with pytest.raises(TypeError):
+        x.layer_norm("d", 1e-5, bias=w4)
+    with pytest.raises(fu.ShapeMismatch):
+        x.layer_norm("d", 1e-5, weight=w3, bias=w3)
+    with pytest.raises(fu.TagError):
+        x.layer_norm("d", 1e-5, weight=ctx.ones((1, 4), ("a", "d")), bias=w4)
+    with pytest.raises(fu.TagError):
+        x.layer_norm("nope", 1e-5)
+    with pytest.raises(fu.TagError):
+        x.rms_norm_mul("d", ctx.ones((4,), ("e",)), 1e-6)
+    with pytest.raises(fu.ShapeMismatch):
+        x.rms_norm_mul("d", w3, 1e-6)
+    with pytest.raises(fu.ShapeMismatch):
+        x.rms_norm_mul_add("d", w4, ctx.zeros((2, 3), ("r", "d")), 1e-6)
+    with pytest.raises(fu.TagError):
+        x.rms_norm_mul_add("d", w4, ctx.zeros((2, 4), ("r", "e")), 1e-6)
+    with pytest.raises(TypeError):
+        x.rms_norm("d", 1e-6, scale=2.0)
+    with pytest.raises(TypeError):
+        x.standardize_axis("d", unbiased=True)
+    with pytest.raises(ValueError):
+        x.standardize_axis("d", eps_mode="around")
+    with pytest.raises(ValueError):
+        x.standardize_axis("d", accumulation="f16")
+    with pytest.raises(fu.InvalidShape):
+        x.standardize_axis("d", valid_len=5)
+    with pytest.raises(fu.InvalidShape):
+        x.standardize_axis("d", ddof=-1)
+    with pytest.raises(fu.DTypeError):
+        ctx.zeros((2, 4), ("r", "d"), dtype="f16").rms_norm("d", 1e-6)
+    with pytest.raises(fu.ContextMismatch):
+        with fu.ExecContext(threads=1) as other:
+            x.rms_norm_mul("d", other.ones((4,), ("d",)), 1e-6)
