@@ -708,8 +708,7 @@ def test_concurrent_launches_on_one_team_stay_correct():
     assert not errors
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_team_in_forked_child_runs_inline():
+def test_team_in_forked_child_runs_inline():  # the runtime is Linux-only: fork always exists
     t = rt.Team(2)
     fill_index(t, 100, 1, HUGE_COST)
     pid = os.fork()
