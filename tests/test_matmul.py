@@ -1,6 +1,5 @@
 """Contractions at the Tensor level (SPEC A-4…A-9): acceptances, einsum against numpy for
 every role, gradients against torch and finite differences, and bad input."""
-import itertools
 
 import numpy as np
 import pytest

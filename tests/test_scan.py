@@ -1,7 +1,6 @@
 """Scans (SPEC §3.8): cumsum, cumprod, linear_recurrence — exactly serial, so compared bitwise
 against float32 serial references (np.add.accumulate / np.multiply.accumulate are serial
 float32 loops, checked below against a plain Python loop), and bitwise across thread counts."""
-import math
 
 import numpy as np
 import pytest
