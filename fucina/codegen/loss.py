@@ -14,7 +14,7 @@ from llvmlite import ir
 
 from . import irutil as u
 from . import vmath
-from .emit import nan_max
+from .emit import fold, nan_max
 from .kernels import KernelKey, register
 from .target import host
 
@@ -37,15 +37,6 @@ def _row_pass(b, base, K, W, accs, step, fill):
         b.store(step(b.load(accs[1]), v), accs[1])
 
 
-def _fold(b, accs, combine):
-    """The fixed combine: (0 op 1) op (2 op 3), then the lane tree."""
-    from .reduce import _hreduce
-
-    v = combine(b, combine(b, b.load(accs[0]), b.load(accs[1])),
-                combine(b, b.load(accs[2]), b.load(accs[3])))
-    return _hreduce(b, v, combine)
-
-
 def _add(b, x, y):
     return b.fadd(x, y)
 
@@ -59,8 +50,8 @@ def _row_stats(b, base, K, W, mx, sx):
     for p in sx:
         b.store(u.const(vt, 0.0), p)
     _row_pass(b, base, K, W, sx, lambda acc, v: b.fadd(acc, v), 0.0)
-    sumx = _fold(b, sx, _add)
-    m = _fold(b, mx, nan_max)
+    sumx = fold(b, sx, _add)
+    m = fold(b, mx, nan_max)
     finite = b.fcmp_ordered("<", vmath.fabs(b, m), u.const(u.F32, float("inf")))
     m_shift = b.select(finite, m, u.const(u.F32, 0.0))
     ms = u.splat(b, m_shift, W)
@@ -68,7 +59,7 @@ def _row_stats(b, base, K, W, mx, sx):
         b.store(u.const(vt, 0.0), p)
     _row_pass(b, base, K, W, sx, lambda acc, v: b.fadd(acc, vmath.exp(b, b.fsub(v, ms))),
               float("-inf"))
-    return m_shift, _fold(b, sx, _add), sumx
+    return m_shift, fold(b, sx, _add), sumx
 
 
 @register

@@ -33,7 +33,8 @@ from llvmlite import ir
 from . import irutil as u
 from .emit import sqrt
 from .kernels import KernelKey, register
-from .softmax import UNROLL, fadd, fold, fold_passes, map_pass
+from .emit import fold
+from .softmax import UNROLL, fadd, fold_passes, map_pass
 from .target import host
 
 F64 = ir.DoubleType()

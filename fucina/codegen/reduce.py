@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .emit import nan_max, nan_min
+from .emit import lane_tree, nan_max, nan_min
 from .kernels import KernelKey, register
 from .target import host
 
@@ -106,17 +106,6 @@ class ReduceKey(KernelKey):
         return str(_build(self, symbol))
 
 
-def _hreduce(b, v, combine):
-    """Fold a vector to a scalar by halves: a fixed tree, the same on every call."""
-    n = v.type.count
-    while n > 1:
-        h = n // 2
-        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h))))
-        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h, n))))
-        v, n = combine(b, lo, hi), h
-    return b.extract_element(v, u.i64(0))
-
-
 def _build(key: ReduceKey, symbol: str) -> ir.Module:
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = host().f32_lanes
@@ -171,7 +160,7 @@ def _build(key: ReduceKey, symbol: str) -> ir.Module:
             b.store(combine(b, b.load(accs[1]), v), accs[1])
         v01 = combine(b, b.load(accs[0]), b.load(accs[1]))
         v23 = combine(b, b.load(accs[2]), b.load(accs[3]))
-        return _hreduce(b, combine(b, v01, v23), combine)
+        return lane_tree(b, combine(b, v01, v23), combine)
 
     with u.Loop(b, q0, q1, 1, "q") as q:
         blk = b.srem(q, nblk)

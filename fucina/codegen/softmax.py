@@ -35,6 +35,7 @@ from llvmlite import ir
 
 from . import irutil as u
 from . import vmath
+from .emit import fold
 from .kernels import KernelKey, register
 from .target import host
 
@@ -94,25 +95,6 @@ def accs_of(b, ty, value):
     for p in slots:
         b.store(u.const(ty, value), p)
     return slots
-
-
-def fold(b, accs, combine):
-    """The fixed combine: (0 op 1) op (2 op 3), then the lane tree."""
-    v = combine(b, combine(b, b.load(accs[0]), b.load(accs[1])),
-                combine(b, b.load(accs[2]), b.load(accs[3])))
-    return lane_tree(b, v, combine)
-
-
-def lane_tree(b, v, combine):
-    """Fold a vector to a scalar by halves (low half op high half), the same tree every time
-    (as reduce.py's lane tree)."""
-    n = v.type.count
-    while n > 1:
-        h = n // 2
-        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h))))
-        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h, n))))
-        v, n = combine(b, lo, hi), h
-    return b.extract_element(v, u.i64(0))
 
 
 def fadd(b, x, y):
