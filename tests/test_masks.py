@@ -93,12 +93,9 @@ def test_acceptance_compare_and_masked_fill(ctx):
 
 
 def test_acceptance_counting_idiom(ctx):
-    """`neg.sum_all().item() == 1` as i64: the reductions engineer's bool sum_all (a dependency)."""
+    """`neg.sum_all().item() == 1` as i64 (SPEC §3.7 counting idiom)."""
     neg = ctx.tensor([-1.0, 0.0, 2.0], ("i",)).compare("lt", 0)
-    try:
-        n = neg.sum_all()
-    except (fu.DTypeError, TypeError) as e:
-        pytest.skip(f"bool sum_all (counting) is not implemented yet: {e}")
+    n = neg.sum_all()
     assert n.dtype == "i64" and n.item() == 1
 
 

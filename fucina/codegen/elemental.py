@@ -13,7 +13,7 @@ The canonical text (the op name of the elementwise key is "elemental:" + text):
 
   N      tensor inputs the expression reads (kernel operands 0..N-1), N >= 1
   P      scalar parameters it reads (kernel operands N..N+P-1, passed by value: role "param")
-  ref    iK (input K), pK (parameter K), %K (instruction K), #XXXXXXXX (a float32 constant as
+  ref    iK (input K), pK (parameter K), %K (instruction K), #hhhhhhhh (a float32 constant as
          its 8 lowercase hex bit digits; -0.0 is #80000000)
   op     neg exp expm1 log log1p tanh sigmoid erf sin cos sqrt abs   (float -> float)
          add sub mul div max min pow                                  (float, float -> float)
@@ -101,7 +101,7 @@ def f32_hex(value) -> str:
 
 
 def hex_f32(ref: str) -> float:
-    """The float value of a '#XXXXXXXX' constant ref (exact as a Python float)."""
+    """The float value of a '#hhhhhhhh' constant ref (exact as a Python float)."""
     return float(np.uint32(int(ref[1:], 16)).view(np.float32))
 
 
