@@ -65,10 +65,6 @@ class Context:
         if self.closed:
             raise ContextClosed(f"{op}: the ExecContext was closed; expected an open context")
 
-    def same(self, other: "Context", op: str) -> None:
-        if other is not self:
-            raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
-
     # ---- exec scopes (SPEC R-5) ----
     def open_exec_scope(self) -> "ExecScope":
         """From now until the matching close, op results are borrows owned by this scope."""
