@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 
-from ..errors import ContextClosed, ContextMismatch, InvalidDataLength, InvalidShape
+from ..errors import ContextClosed, InvalidDataLength, InvalidShape
 from ..runtime import _rt
 from .dtypes import check, to_storage
 from .raw import MAX_RANK, RawTensor, contiguous_layout, numel
