@@ -11,6 +11,7 @@ from . import elemental, rng
 from .ag.context import ExecContext
 from .ag.engine import is_grad_enabled, no_grad
 from .ag.gradcheck import GradcheckResult, gradcheck
+from .ag.masks import band_mask
 from .ag.tensor import Tensor, custom_vjp, einsum_many
 from .errors import *  # noqa: F401,F403  (the SPEC §0.3 catalogue)
 from .errors import __all__ as _errors
@@ -18,5 +19,6 @@ from .exec.context import ExecScope
 from .exec.raw import MAX_RANK, LayoutClass
 
 __version__ = "0.1.0"
-__all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_many", "custom_vjp", "LayoutClass", "MAX_RANK", "no_grad", "gradcheck", "GradcheckResult",
-           "is_grad_enabled", *_errors]
+__all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_many", "custom_vjp",
+           "band_mask", "LayoutClass", "MAX_RANK", "no_grad", "is_grad_enabled", "gradcheck",
+           "GradcheckResult", *_errors]
