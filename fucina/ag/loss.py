@@ -3,6 +3,7 @@ backward record; the gradient goes to the logits only."""
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -95,6 +96,162 @@ def _contig(shape):
     return contiguous_strides(tuple(shape))
 
 
+BCE_EPS = 1e-7
+
+
+def _c(v: float) -> str:
+    """A '#hhhhhhhh' float32 constant ref."""
+    return "#%08x" % int(np.array(v, np.float32).view(np.uint32))
+
+
+_Z, _HALF, _ONE = _c(0.0), _c(0.5), _c(1.0)
+_E = "elemental:"
+# inputs x, t
+MSE_FWD = _E + "v1 i2 p0;%0=sub i0 i1;%1=mul %0 %0;ret %1"
+# inputs g, x, t; p0 scale: 2·s·g·(x − t) (and its negation for t)
+MSE_DX = _E + "v1 i3 p1;%0=sub i1 i2;%1=mul i0 p0;%2=mul %1 " + _c(2.0) + ";%3=mul %2 %0;ret %3"
+MSE_DT = _E + "v1 i3 p1;%0=sub i2 i1;%1=mul i0 p0;%2=mul %1 " + _c(2.0) + ";%3=mul %2 %0;ret %3"
+# inputs x, t; p0 δ
+HUBER_FWD = (_E + "v1 i2 p1;%0=sub i0 i1;%1=abs %0;%2=le %1 p0;%3=mul %0 %0;%4=mul %3 " + _HALF
+             + ";%5=mul p0 " + _HALF + ";%6=sub %1 %5;%7=mul p0 %6;%8=where %2 %4 %7;ret %8")
+# inputs g, x, t; p0 scale, p1 δ: s·g·clamp(x − t, −δ, δ) (negated for t)
+HUBER_DX = (_E + "v1 i3 p2;%0=sub i1 i2;%1=neg p1;%2=max %0 %1;%3=min %2 p1;%4=mul i0 p0;"
+            "%5=mul %4 %3;ret %5")
+HUBER_DT = (_E + "v1 i3 p2;%0=sub i2 i1;%1=neg p1;%2=max %0 %1;%3=min %2 p1;%4=mul i0 p0;"
+            "%5=mul %4 %3;ret %5")
+# logits: inputs x, y: max(x,0) − x·y + log1p(e^−|x|)
+BCEL_FWD = (_E + "v1 i2 p0;%0=max i0 " + _Z + ";%1=mul i0 i1;%2=sub %0 %1;%3=abs i0;%4=neg %3;"
+            "%5=exp %4;%6=log1p %5;%7=add %2 %6;ret %7")
+BCEL_DX = _E + "v1 i3 p1;%0=sigmoid i1;%1=sub %0 i2;%2=mul i0 p0;%3=mul %2 %1;ret %3"
+BCEL_DT = _E + "v1 i3 p1;%0=neg i1;%1=mul i0 p0;%2=mul %1 %0;ret %2"
+# probabilities: inputs x, y; p0 eps, p1 1 − eps; p = clamp(x, eps, 1 − eps)
+BCEP_FWD = (_E + "v1 i2 p2;%0=max i0 p0;%1=min %0 p1;%2=log %1;%3=sub " + _ONE + " %1;%4=log %3;"
+            "%5=mul i1 %2;%6=sub " + _ONE + " i1;%7=mul %6 %4;%8=add %5 %7;%9=neg %8;ret %9")
+# inputs g, x, y; p0 scale, p1 eps, p2 1 − eps: (p − y)/(p(1 − p)) inside (eps, 1 − eps), else 0
+BCEP_DX = (_E + "v1 i3 p3;%0=max i1 p1;%1=min %0 p2;%2=sub %1 i2;%3=sub " + _ONE + " %1;"
+           "%4=mul %1 %3;%5=div %2 %4;%6=mul i0 p0;%7=mul %6 %5;%8=gt i1 p1;%9=lt i1 p2;"
+           "%10=and %8 %9;%11=where %10 %7 " + _Z + ";ret %11")
+# target: ln(1 − p) − ln p
+BCEP_DT = (_E + "v1 i3 p3;%0=max i1 p1;%1=min %0 p2;%2=sub " + _ONE + " %1;%3=log %2;%4=log %1;"
+           "%5=sub %3 %4;%6=mul i0 p0;%7=mul %6 %5;ret %7")
+# kl: inputs x (log-probs), t: t > 0 ? t·(ln t − x) : 0
+KL_FWD = (_E + "v1 i2 p0;%0=log i1;%1=sub %0 i0;%2=mul i1 %1;%3=gt i1 " + _Z + ";"
+          "%4=where %3 %2 " + _Z + ";ret %4")
+KL_DX = _E + "v1 i3 p1;%0=mul i0 p0;%1=mul %0 i2;%2=neg %1;ret %2"
+# target: t > 0 ? ln t − x + 1 : 0
+KL_DT = (_E + "v1 i3 p1;%0=log i2;%1=sub %0 i1;%2=add %1 " + _ONE + ";%3=mul i0 p0;%4=mul %3 %2;"
+         "%5=gt i2 " + _Z + ";%6=where %5 %4 " + _Z + ";ret %6")
+# log_target: e^t·(t − x)
+KLL_FWD = _E + "v1 i2 p0;%0=exp i1;%1=sub i1 i0;%2=mul %0 %1;ret %2"
+KLL_DX = _E + "v1 i3 p1;%0=exp i2;%1=mul i0 p0;%2=mul %1 %0;%3=neg %2;ret %3"
+KLL_DT = (_E + "v1 i3 p1;%0=exp i2;%1=sub i2 i1;%2=add %1 " + _ONE + ";%3=mul %0 %2;"
+          "%4=mul i0 p0;%5=mul %4 %3;ret %5")
+
+
+def _reduction(name: str, reduction) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{name}: expected reduction in {REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+def pointwise_loss(name: str, x, t, reduction: str, fwd: str, dx: str, dt: str, params=()):
+    """The L-4 skeleton: per-element losses, optional sum/mean, grads to both operands."""
+    from ..errors import DTypeError, ShapeMismatch, TagError
+    from .checks import same_ctx
+    from .elementwise import aligned
+
+    reduction = _reduction(name, reduction)
+    same_ctx(name, x, t)
+    a0 = x._live(name)
+    t._live(name)
+    if a0.dtype != "f32" or t._raw.dtype != "f32":
+        raise DTypeError(f"{name}: expected f32 input and target, got {a0.dtype} and {t._raw.dtype}")
+    if set(x.tags) != set(t.tags) or len(x.tags) != len(t.tags):
+        raise TagError(f"{name}: expected a target with the input's tags {x.tags}, got {t.tags}")
+    tags, shape, a, b = aligned(name, x, t)
+    if tags != x.tags or shape != a0.shape or t._raw.numel != a0.numel:
+        raise ShapeMismatch(f"{name}: expected a target of the input's shape {a0.shape} "
+                            f"(tags {x.tags}), got {t._raw.shape} (tags {t.tags})")
+    ctx = a0.ctx
+    params = tuple(float(p) for p in params)
+    per = ew.run(ctx, fwd, "f32", shape, [a, b, *params])
+    n = a0.numel
+    if reduction == "none":
+        out, out_tags, scale = per, x.tags, 1.0
+    else:
+        out = red.reduce_all(ctx, "sum", per, mean=(reduction == "mean"))
+        out_tags, scale = (), (1.0 / n if reduction == "mean" and n else 1.0)
+    saved = (ctx, shape, tags, a, b, scale, params, dx, dt, t.tags, t._raw.shape)
+    return finish_op(name, out, out_tags, (x, t),
+                     lambda needs: functools.partial(_pointwise_grads, saved, needs))
+
+
+def _pointwise_grads(saved, needs, g):
+    from .elementwise import unbroadcast
+
+    ctx, shape, tags, a, b, scale, params, dx, dt, ttags, tshape = saved
+    gv = g if g.shape == shape else g.view(shape, (0,) * len(shape))
+    gx = ew.run(ctx, dx, "f32", shape, [gv, a, b, scale, *params]) if needs[0] else None
+    gt = ew.run(ctx, dt, "f32", shape, [gv, a, b, scale, *params]) if needs[1] else None
+    return gx, (unbroadcast(ctx, gt, tags, ttags, tshape) if needs[1] else None)
+
+
+class InvalidHuberDelta(InvalidShape, ValueError):
+    """huber_loss delta not finite and > 0: an InvalidShape (like cross_entropy's
+    label_smoothing) that is also a ValueError."""
+
+
+def _delta(delta) -> float:
+    try:
+        d = float(delta)
+    except (TypeError, ValueError):
+        raise InvalidHuberDelta(f"huber_loss: expected a finite delta > 0, got {delta!r}") from None
+    if not (math.isfinite(d) and d > 0.0):
+        raise InvalidHuberDelta(f"huber_loss: expected a finite delta > 0, got {delta!r}")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# L-5 composed losses (need an exec scope under gradients, SPEC §3.0)
+
+def _require_scope(name: str, *operands) -> None:
+    from ..errors import ActiveExecScopeRequired
+    from .engine import needs_graph
+
+    ctx = operands[0]._raw.ctx
+    if needs_graph(*operands) and not ctx.scopes:
+        raise ActiveExecScopeRequired(
+            f"{name}: a composed op under gradients needs an open exec scope; "
+            "expected `with ctx.exec_scope():` around it")
+
+
+def _onehot(x, class_tag: str, labels):
+    """f32 one-hot in x's own tag order; labels one per position (x minus class_tag, row-major)."""
+    r = x._raw
+    ax, rest = axes.reduced(x.tags, class_tag, "nll_loss")
+    K = r.shape[ax]
+    rest_shape = r.shape[:ax] + r.shape[ax + 1:]
+    R = int(np.prod(rest_shape)) if rest_shape else 1
+    if hasattr(labels, "_live"):
+        arr = labels._live("nll_loss").to_numpy()
+    else:
+        arr = np.asarray(labels)
+    arr = arr.reshape(-1)
+    if arr.size != R:
+        raise InvalidDataLength(f"nll_loss: expected {R} labels (one per position), got {arr.size}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"nll_loss: expected integer labels, got dtype {arr.dtype}")
+    bad = (arr >= K) if arr.dtype.kind == "u" else ((arr < 0) | (arr >= K))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise IndexOutOfBounds(f"nll_loss: label {arr[i]} at position {i} is outside [0, {K})")
+    oh = np.zeros((R, K), np.float32)
+    oh[np.arange(R), arr.astype(np.int64)] = 1.0
+    oh = np.moveaxis(oh.reshape(tuple(rest_shape) + (K,)), -1, ax)
+    return np.ascontiguousarray(oh), R
+
+
+
 class LossMethods:
     """Tensor methods of the loss family (SPEC §3.14)."""
 
@@ -108,3 +265,59 @@ class LossMethods:
                                                     reduction, label_smoothing))
 
     cross_entropy_ext = cross_entropy
+
+    # L-4 elementwise losses: one fused forward kernel per loss and one fused derivative kernel
+    # per operand, written as elemental expression texts (codegen/elemental.py's grammar); the
+    # derivative kernels read (g, x, t) and a scale parameter p0 (1/n for mean, else 1).
+    def mse_loss(self, target, reduction: str = "mean"):
+        """(x − t)² per element; grads to both operands."""
+        return self._result(*pointwise_loss("mse_loss", self, target, reduction,
+                                            MSE_FWD, MSE_DX, MSE_DT))
+
+    def huber_loss(self, target, delta: float = 1.0, reduction: str = "mean"):
+        """|d| ≤ δ ? d²/2 : δ(|d| − δ/2), d = x − t; δ finite and > 0 (else InvalidShape)."""
+        d = _delta(delta)
+        return self._result(*pointwise_loss("huber_loss", self, target, reduction,
+                                            HUBER_FWD, HUBER_DX, HUBER_DT, (d,)))
+
+    def bce_loss(self, target, reduction: str = "mean", from_logits: bool = False):
+        """Binary cross-entropy. from_logits: max(x,0) − x·y + log1p(e^−|x|). Else x is a
+        probability clamped to [1e-7, 1 − 1e-7] with input gradient 0 outside the open interval
+        (SPEC §7.1 item 5: torch clamps the log at −100 instead)."""
+        if from_logits:
+            return self._result(*pointwise_loss("bce_loss", self, target, reduction,
+                                                BCEL_FWD, BCEL_DX, BCEL_DT))
+        return self._result(*pointwise_loss("bce_loss", self, target, reduction, BCEP_FWD,
+                                            BCEP_DX, BCEP_DT, (BCE_EPS, 1.0 - BCE_EPS)))
+
+    def kl_div_loss(self, target, reduction: str = "mean", log_target: bool = False):
+        """self = log-probs: t·(ln t − x) (0 where t ≤ 0), or e^t·(t − x) with log_target.
+        `mean` is the total-element mean; there is no batchmean (SPEC §7.1 item 6)."""
+        if log_target:
+            return self._result(*pointwise_loss("kl_div_loss", self, target, reduction,
+                                                KLL_FWD, KLL_DX, KLL_DT))
+        return self._result(*pointwise_loss("kl_div_loss", self, target, reduction,
+                                            KL_FWD, KL_DX, KL_DT))
+
+    def nll_loss(self, class_tag: str, labels, reduction: str = "mean"):
+        """−x[y] per position (x = log-probs) via one-hot · mul · sum · neg; composed (an exec
+        scope is required under gradients)."""
+        reduction = _reduction("nll_loss", reduction)
+        self._live("nll_loss")
+        oh, R = _onehot(self, class_tag, labels)
+        _require_scope("nll_loss", self)
+        ctx = self._raw.ctx
+        picked = (self * ctx.tensor(oh, self.tags)).sum(class_tag)
+        per = -picked
+        if reduction == "none":
+            return per
+        return per.mean_all() if reduction == "mean" else per.sum_all()
+
+    def cosine_similarity(self, other, tag: str, eps: float = 1e-8):
+        """Σxy / max(‖x‖·‖y‖, eps) over `tag` (removed); grads to both; composed."""
+        self._live("cosine_similarity")
+        other._live("cosine_similarity")
+        _require_scope("cosine_similarity", self, other)
+        num = (self * other).sum(tag)
+        den = (self.norm(tag, "l2") * other.norm(tag, "l2")).clamp_min(float(eps))
+        return num / den
