@@ -6,6 +6,7 @@ import numpy as np
 from .. import axes
 from ..errors import DTypeError
 from ..exec import Context, validate_shape
+from . import rope
 from .engine import Leaf
 from ..exec.dtypes import check as check_dtype
 from .tensor import Tensor
@@ -60,6 +61,15 @@ class ExecContext(Context):
 
     def scalar(self, value, dtype: str = "f32") -> Tensor:
         return self.tensor(value, (), dtype)
+
+    def prepare_rope_table(self, positions, feature_dim, theta_base, inverse=False, freq_factors=None):
+        """SPEC §3.11: the cos/sin table for `positions`, built once and reused by x.rope(...)."""
+        return rope.prepare_rope_table(self, positions, feature_dim, theta_base, inverse, freq_factors)
+
+    def prepare_rope_table_range(self, axis_range, feature_dim, theta_base, inverse=False,
+                                 freq_factors=None):
+        """The table for positions axis_range.origin .. origin + len (SPEC §3.11)."""
+        return rope.prepare_rope_table_range(self, axis_range, feature_dim, theta_base, inverse, freq_factors)
 
     def classify(self, t):
         """SPEC R-4 layout class of a tensor (or RawTensor)."""

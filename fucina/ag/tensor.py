@@ -24,6 +24,7 @@ from .matmul import MatmulMethods
 from .norm import NormMethods
 from .reduce import ReduceMethods
 from .rng import RngMethods
+from .rope import RopeMethods
 from .shape import ShapeMethods
 from .softmax import SoftmaxMethods
 from .typed import TypedMethods
@@ -31,7 +32,7 @@ from .typed import TypedMethods
 
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
              ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods, RngMethods,
-             SoftmaxMethods, NormMethods):
+             SoftmaxMethods, NormMethods, RopeMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in
