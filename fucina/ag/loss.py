@@ -17,28 +17,33 @@ from .engine import finish_op
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _labels(ctx, labels, R: int, K: int, ignore_index):
-    """Host labels (list, numpy, or an i64 Tensor) -> i64 raw with -1 for ignored rows."""
+def _host_labels(op: str, labels, R: int, K: int, ignore_index=None):
+    """Labels (list, numpy, or an i64 Tensor), one per position, validated against K classes.
+    Returns (int array, ignored mask)."""
     if hasattr(labels, "_live"):
-        arr = labels._live("cross_entropy").to_numpy()
+        arr = labels._live(op).to_numpy()
     else:
         arr = np.asarray(labels)
     arr = arr.reshape(-1)
     if arr.size != R:
-        raise InvalidDataLength(f"cross_entropy: expected {R} labels (one per position), got {arr.size}")
+        raise InvalidDataLength(f"{op}: expected {R} labels (one per position), got {arr.size}")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: expected integer labels, got dtype {arr.dtype}")
+        raise TypeError(f"{op}: expected integer labels, got dtype {arr.dtype}")
     ignored = np.zeros(R, bool) if ignore_index is None else (arr == ignore_index)
-    if arr.dtype.kind == "u":
-        bad = (arr >= K) & ~ignored
-    else:
-        bad = ((arr < 0) | (arr >= K)) & ~ignored
+    low = np.zeros(R, bool) if arr.dtype.kind == "u" else arr < 0
+    bad = (low | (arr >= K)) & ~ignored
     if bad.any():
         i = int(np.argmax(bad))
-        raise IndexOutOfBounds(f"cross_entropy: label {arr[i]} at position {i} is outside [0, {K}) "
-                               f"and is not ignore_index={ignore_index}")
-    enc = np.where(ignored, -1, arr.astype(np.int64) if arr.dtype.kind == "i" else
-                   np.minimum(arr, K).astype(np.int64)).astype(np.int64)
+        tail = "" if ignore_index is None else f" and is not ignore_index={ignore_index}"
+        raise IndexOutOfBounds(f"{op}: label {arr[i]} at position {i} is outside [0, {K}){tail}")
+    return arr, ignored
+
+
+def _labels(ctx, labels, R: int, K: int, ignore_index):
+    """Labels as an i64 raw with -1 for ignored rows, and the count of rows that are not ignored."""
+    arr, ignored = _host_labels("cross_entropy", labels, R, K, ignore_index)
+    safe = arr.astype(np.int64) if arr.dtype.kind == "i" else np.minimum(arr, K).astype(np.int64)
+    enc = np.where(ignored, -1, safe).astype(np.int64)
     return ctx.from_numpy(enc, (R,), "i64", "cross_entropy"), int(R - ignored.sum())
 
 
@@ -232,24 +237,11 @@ def _onehot(x, class_tag: str, labels):
     K = r.shape[ax]
     rest_shape = r.shape[:ax] + r.shape[ax + 1:]
     R = int(np.prod(rest_shape)) if rest_shape else 1
-    if hasattr(labels, "_live"):
-        arr = labels._live("nll_loss").to_numpy()
-    else:
-        arr = np.asarray(labels)
-    arr = arr.reshape(-1)
-    if arr.size != R:
-        raise InvalidDataLength(f"nll_loss: expected {R} labels (one per position), got {arr.size}")
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"nll_loss: expected integer labels, got dtype {arr.dtype}")
-    bad = (arr >= K) if arr.dtype.kind == "u" else ((arr < 0) | (arr >= K))
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise IndexOutOfBounds(f"nll_loss: label {arr[i]} at position {i} is outside [0, {K})")
+    arr, _ = _host_labels("nll_loss", labels, R, K)
     oh = np.zeros((R, K), np.float32)
     oh[np.arange(R), arr.astype(np.int64)] = 1.0
     oh = np.moveaxis(oh.reshape(tuple(rest_shape) + (K,)), -1, ax)
     return np.ascontiguousarray(oh), R
-
 
 
 class LossMethods:
