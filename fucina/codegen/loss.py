@@ -2,7 +2,8 @@
 {max, sum of exp} so the backward is one pass over the logits.
 
 Rows are [R, K] with the class axis contiguous. Labels are i64 with -1 for an ignored row.
-Forward, per row: m = max x, S = sum exp(x - m) (m shifted by 0 when not finite),
+Forward, per row (rows.row_max_sum: max and sum x in one pass, then the exps):
+m = max x, S = sum exp(x - m) (m shifted by 0 when not finite),
 loss = ln S + m - (1-eps) x[y] - (eps/K) sum x; ignored rows give 0.
 Backward: dx = coef * (exp(x - m) / S - ((1-eps) [c == y] + eps/K)), coef = g_r * scale.
 """
@@ -14,53 +15,9 @@ from llvmlite import ir
 
 from . import irutil as u
 from . import vmath
-from .emit import fold, nan_max
 from .kernels import KernelKey, register
+from .rows import accs_of, map_pass, row_max_sum
 from .target import host
-
-UNROLL = 4
-
-
-def _row_pass(b, base, K, W, accs, step, fill):
-    """Walk one row: 4 vectors per step into 4 accumulators, then single vectors into the
-    first, then a masked tail (lanes past K read `fill`). `step(acc, v) -> acc` is the fold."""
-    big = b.sub(K, b.srem(K, u.i64(UNROLL * W)))
-    with u.Loop(b, u.i64(0), big, UNROLL * W, "c4") as c:
-        for t, p in enumerate(accs):
-            b.store(step(b.load(p), u.load(b, base, b.add(c, u.i64(t * W)), "f32", W)), p)
-    full = b.sub(K, b.srem(K, u.i64(W)))
-    with u.Loop(b, big, full, W, "c1") as c:
-        b.store(step(b.load(accs[0]), u.load(b, base, c, "f32", W)), accs[0])
-    rest = b.sub(K, full)
-    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-        v = u.load(b, base, full, "f32", W, u.tail_mask(b, rest, W), fill)
-        b.store(step(b.load(accs[1]), v), accs[1])
-
-
-def _add(b, x, y):
-    return b.fadd(x, y)
-
-
-def _row_stats(b, base, K, W, mx, sx):
-    """(m shifted to 0 when not finite, S = sum exp(x - m), sum x) of one row."""
-    vt = ir.VectorType(u.F32, W)
-    for p in mx:
-        b.store(u.const(vt, float("-inf")), p)
-    _row_pass(b, base, K, W, mx, lambda acc, v: nan_max(b, acc, v), float("-inf"))
-    for p in sx:
-        b.store(u.const(vt, 0.0), p)
-    _row_pass(b, base, K, W, sx, lambda acc, v: b.fadd(acc, v), 0.0)
-    sumx = fold(b, sx, _add)
-    m = fold(b, mx, nan_max)
-    finite = b.fcmp_ordered("<", vmath.fabs(b, m), u.const(u.F32, float("inf")))
-    m_shift = b.select(finite, m, u.const(u.F32, 0.0))
-    ms = u.splat(b, m_shift, W)
-    for p in sx:
-        b.store(u.const(vt, 0.0), p)
-    _row_pass(b, base, K, W, sx, lambda acc, v: b.fadd(acc, vmath.exp(b, b.fsub(v, ms))),
-              float("-inf"))
-    return m_shift, fold(b, sx, _add), sumx
-
 
 @register
 @dataclass(frozen=True)
@@ -79,11 +36,10 @@ class CeForwardKey(KernelKey):
         r0, r1 = b.mul(c0, per), u.smin(b, b.mul(c1, per), R)
         kf = b.sitofp(K, u.F32)
         vt = ir.VectorType(u.F32, W)
-        mx = [u.entry_alloca(b, vt) for _ in range(UNROLL)]
-        sx = [u.entry_alloca(b, vt) for _ in range(UNROLL)]
+        mx, sx, sx2 = (accs_of(b, vt, 0.0) for _ in range(3))
         with u.Loop(b, r0, r1, 1, "r") as r:
             base = b.gep(x, [b.mul(r, K)], source_etype=u.F32)
-            m, S, sumx = _row_stats(b, base, K, W, mx, sx)
+            m, S, sumx = row_max_sum(b, base, K, W, mx, sx, sx2)
             u.store(b, m, mo, r, "f32")
             u.store(b, S, so, r, "f32")
             y = u.load(b, labels, r, "i64")
@@ -137,11 +93,6 @@ class CeBackwardKey(KernelKey):
                 t = b.select(b.icmp_signed("==", cols, ys), ht, bt)
                 u.store(b, b.fmul(coefs, b.fsub(p, t)), ob, c, "f32", mask)
 
-            full = b.sub(K, b.srem(K, u.i64(W)))
-            with u.Loop(b, u.i64(0), full, W, "c") as c:
-                body(c, None)
-            rest = b.sub(K, full)
-            with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-                body(full, u.tail_mask(b, rest, W))
+            map_pass(b, u.i64(0), K, W, body)
         b.ret_void()
         return str(mod)

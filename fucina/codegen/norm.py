@@ -34,7 +34,7 @@ from . import irutil as u
 from .emit import sqrt
 from .kernels import KernelKey, register
 from .emit import fold
-from .softmax import UNROLL, fadd, fold_passes, map_pass
+from .rows import UNROLL, fadd, fold_passes, map_pass
 from .target import host
 
 F64 = ir.DoubleType()

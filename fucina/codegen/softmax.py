@@ -36,79 +36,12 @@ from llvmlite import ir
 from . import irutil as u
 from . import vmath
 from .emit import fold
+from .rows import accs_of, fadd, fmax, fold_pass, map_pass, row_max_sum
 from .kernels import KernelKey, register
 from .target import host
 
-UNROLL = 4
 MASK_DIMS = 3
 OPS = ("softmax", "log_softmax", "logsumexp", "softmax_bwd", "log_softmax_bwd", "logsumexp_bwd")
-
-
-# ---------------------------------------------------------------------------------------------
-# row walkers shared with the norm family
-
-def fold_pass(b, start, stop, W, accs, value, step, fill):
-    """Fold value(c, mask) over [start, stop) into the accumulator slots `accs` (4 of them):
-    4 vectors per step into the 4 slots, then single vectors into slot 0, then a masked tail
-    (lanes past `stop` replaced by `fill`) into slot 1. value(c, None) is a full vector at c;
-    value(c, mask) may read (and write) only the lanes of `mask`."""
-    fold_passes(b, start, stop, W, [accs], lambda c, m: [value(c, m)], [step], [fill])
-
-
-def fold_passes(b, start, stop, W, groups, value, steps, fills):
-    """fold_pass for several sums at once: value(c, mask) -> one vector per group of slots."""
-    n = b.sub(stop, start)
-    big = b.add(start, b.sub(n, b.srem(n, u.i64(UNROLL * W))))
-
-    def update(slot, c, mask=None):
-        vs = value(c, mask)
-        for accs, v, step, fill in zip(groups, vs, steps, fills):
-            if mask is not None:
-                v = b.select(mask, v, u.const(v.type, fill))
-            b.store(step(b, b.load(accs[slot]), v), accs[slot])
-
-    with u.Loop(b, start, big, UNROLL * W, "f4") as c:
-        for t in range(UNROLL):
-            update(t, b.add(c, u.i64(t * W)))
-    full = b.add(start, b.sub(n, b.srem(n, u.i64(W))))
-    with u.Loop(b, big, full, W, "f1") as c:
-        update(0, c)
-    rest = b.sub(stop, full)
-    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-        update(1, full, u.tail_mask(b, rest, W))
-
-
-def map_pass(b, start, stop, W, body):
-    """body(c, mask) over [start, stop): full vectors (mask None), then one masked tail."""
-    n = b.sub(stop, start)
-    full = b.add(start, b.sub(n, b.srem(n, u.i64(W))))
-    with u.Loop(b, start, full, W, "m") as c:
-        body(c, None)
-    rest = b.sub(stop, full)
-    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-        body(full, u.tail_mask(b, rest, W))
-
-
-def accs_of(b, ty, value):
-    """UNROLL accumulator slots of vector type `ty`, each set to `value`."""
-    slots = [u.entry_alloca(b, ty) for _ in range(UNROLL)]
-    for p in slots:
-        b.store(u.const(ty, value), p)
-    return slots
-
-
-def fadd(b, x, y):
-    return b.fadd(x, y)
-
-
-def fmax(b, x, y):
-    """x > y ? x : y (one vmaxps). NaN need not propagate through a row max here: a NaN logit
-    makes its exp, hence the row sum, NaN, so the row's result is NaN either way."""
-    return vmath.fmax(b, x, y)
-
-
-def finite(b, m):
-    return b.fcmp_ordered("<", vmath.fabs(b, m), u.const(m.type, float("inf")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,22 +185,6 @@ def _softmax(key, b, args, c0, c1):
             d.step()
 
 
-def _row_max_sum(b, xb, K, W, mx, sx):
-    """(m shifted to 0 when not finite, S = sum exp(x - m)) of one row."""
-    vt = ir.VectorType(u.F32, W)
-    for p in mx:
-        b.store(u.const(vt, float("-inf")), p)
-    fold_pass(b, u.i64(0), K, W, mx, lambda c, m: u.load(b, xb, c, "f32", W, m), fmax, float("-inf"))
-    m = fold(b, mx, fmax)
-    m = b.select(finite(b, m), m, u.const(u.F32, 0.0))
-    ms = u.splat(b, m, W)
-    for p in sx:
-        b.store(u.const(vt, 0.0), p)
-    fold_pass(b, u.i64(0), K, W, sx,
-              lambda c, msk: vmath.exp(b, b.fsub(u.load(b, xb, c, "f32", W, msk), ms)), fadd, 0.0)
-    return m, fold(b, sx, fadd)
-
-
 def _lse(key, b, args, c0, c1):
     """args: x, out, R, K, rows per chunk. logsumexp writes out[R]; log_softmax out[R, K]."""
     W = host().f32_lanes
@@ -280,7 +197,7 @@ def _lse(key, b, args, c0, c1):
     with u.Loop(b, r0, r1, 1, "r") as r:
         row = b.mul(r, K)
         xb = b.gep(x, [row], source_etype=u.F32)
-        m, S = _row_max_sum(b, xb, K, W, mx, sx)
+        m, S = row_max_sum(b, xb, K, W, mx, sx)
         logs = vmath.log(b, S)
         if key.op == "logsumexp":
             u.store(b, b.fadd(logs, m), out, r, "f32")

@@ -1,0 +1,103 @@
+"""Row walkers shared by the row-kernel families (softmax, norm, loss, rope): every sum or max
+over a contiguous row folds the same way — 4 vector accumulators striding 4 vectors, single
+vectors into slot 0, a masked tail into slot 1, then the fixed fold of emit.fold — so each
+family's order is fixed by the row length alone."""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import irutil as u
+from . import vmath
+from .emit import fold
+
+UNROLL = 4
+
+
+def fold_pass(b, start, stop, W, accs, value, step, fill):
+    """Fold value(c, mask) over [start, stop) into the accumulator slots `accs` (4 of them):
+    4 vectors per step into the 4 slots, then single vectors into slot 0, then a masked tail
+    (lanes past `stop` replaced by `fill`) into slot 1. value(c, None) is a full vector at c;
+    value(c, mask) may read (and write) only the lanes of `mask`."""
+    fold_passes(b, start, stop, W, [accs], lambda c, m: [value(c, m)], [step], [fill])
+
+
+def fold_passes(b, start, stop, W, groups, value, steps, fills):
+    """fold_pass for several sums at once: value(c, mask) -> one vector per group of slots."""
+    n = b.sub(stop, start)
+    big = b.add(start, b.sub(n, b.srem(n, u.i64(UNROLL * W))))
+
+    def update(slot, c, mask=None):
+        vs = value(c, mask)
+        for accs, v, step, fill in zip(groups, vs, steps, fills):
+            if mask is not None:
+                v = b.select(mask, v, u.const(v.type, fill))
+            b.store(step(b, b.load(accs[slot]), v), accs[slot])
+
+    with u.Loop(b, start, big, UNROLL * W, "f4") as c:
+        for t in range(UNROLL):
+            update(t, b.add(c, u.i64(t * W)))
+    full = b.add(start, b.sub(n, b.srem(n, u.i64(W))))
+    with u.Loop(b, big, full, W, "f1") as c:
+        update(0, c)
+    rest = b.sub(stop, full)
+    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
+        update(1, full, u.tail_mask(b, rest, W))
+
+
+def map_pass(b, start, stop, W, body):
+    """body(c, mask) over [start, stop): full vectors (mask None), then one masked tail."""
+    n = b.sub(stop, start)
+    full = b.add(start, b.sub(n, b.srem(n, u.i64(W))))
+    with u.Loop(b, start, full, W, "m") as c:
+        body(c, None)
+    rest = b.sub(stop, full)
+    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
+        body(full, u.tail_mask(b, rest, W))
+
+
+def accs_of(b, ty, value):
+    """UNROLL accumulator slots of vector type `ty`, each set to `value`."""
+    slots = [u.entry_alloca(b, ty) for _ in range(UNROLL)]
+    for p in slots:
+        b.store(u.const(ty, value), p)
+    return slots
+
+
+def fadd(b, x, y):
+    return b.fadd(x, y)
+
+
+def fmax(b, x, y):
+    """x > y ? x : y (one vmaxps). NaN need not propagate through a row max here: a NaN logit
+    makes its exp, hence the row sum, NaN, so the row's result is NaN either way."""
+    return vmath.fmax(b, x, y)
+
+
+def finite(b, m):
+    return b.fcmp_ordered("<", vmath.fabs(b, m), u.const(m.type, float("inf")))
+
+
+def row_max_sum(b, xb, K, W, mx, sx, sx2=None):
+    """(m shifted to 0 when not finite, S = sum exp(x - m)[, sum x]) of the row at xb.
+    With `sx2` slots, sum x is folded in the max pass (cross-entropy's label smoothing)."""
+    vt = ir.VectorType(u.F32, W)
+    for p in mx:
+        b.store(u.const(vt, float("-inf")), p)
+    load = lambda c, m: u.load(b, xb, c, "f32", W, m)  # noqa: E731
+    if sx2 is None:
+        fold_pass(b, u.i64(0), K, W, mx, load, fmax, float("-inf"))
+        sumx = None
+    else:
+        for p in sx2:
+            b.store(u.const(vt, 0.0), p)
+        fold_passes(b, u.i64(0), K, W, [mx, sx2], lambda c, m: [load(c, m)] * 2, [fmax, fadd],
+                    [float("-inf"), 0.0])
+        sumx = fold(b, sx2, fadd)
+    m = fold(b, mx, fmax)
+    m = b.select(finite(b, m), m, u.const(u.F32, 0.0))
+    ms = u.splat(b, m, W)
+    for p in sx:
+        b.store(u.const(vt, 0.0), p)
+    fold_pass(b, u.i64(0), K, W, sx, lambda c, msk: vmath.exp(b, b.fsub(load(c, msk), ms)), fadd, 0.0)
+    S = fold(b, sx, fadd)
+    return (m, S) if sx2 is None else (m, S, sumx)
