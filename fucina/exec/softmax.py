@@ -78,51 +78,37 @@ def softmax(ctx, x: RawTensor, outer_shape, scale: float, mask=None, slopes=None
     return out
 
 
+def _rows_op(ctx, op: str, out_shape, x_shape, bytes_per, ins, after) -> RawTensor:
+    """Launch a plain row kernel: argument block = the inputs' addresses, the new output's,
+    rows, row length, `after`, rows per chunk."""
+    R, K = x_shape
+    out = ctx.empty(out_shape, "f32")
+    per = _per(K)
+    ctx.launch(kernels.get(SoftmaxKey(op)), -(-R // per), R * K * bytes_per,
+               *[t.addr for t in ins], out.addr, R, K, *after, per)
+    return out
+
+
 def softmax_backward(ctx, y: RawTensor, g: RawTensor, scale: float) -> RawTensor:
     """dx = (y * (g - sum(g*y))) * scale per row; y, g contiguous [R, K]."""
-    R, K = y.shape
-    dx = ctx.empty((R, K), "f32")
-    per = _per(K)
-    ctx.launch(kernels.get(SoftmaxKey("softmax_bwd")), -(-R // per), R * K * 12,
-               y.addr, g.addr, dx.addr, R, K, f32_bits(scale), per)
-    return dx
+    return _rows_op(ctx, "softmax_bwd", y.shape, y.shape, 12, (y, g), (f32_bits(scale),))
 
 
 def log_softmax(ctx, x: RawTensor) -> RawTensor:
     """(x - m) - log sum exp(x - m) per row, m shifted to 0 when not finite."""
-    R, K = x.shape
-    out = ctx.empty((R, K), "f32")
-    per = _per(K)
-    ctx.launch(kernels.get(SoftmaxKey("log_softmax")), -(-R // per), R * K * 8,
-               x.addr, out.addr, R, K, per)
-    return out
+    return _rows_op(ctx, "log_softmax", x.shape, x.shape, 8, (x,), ())
 
 
 def log_softmax_backward(ctx, y: RawTensor, g: RawTensor) -> RawTensor:
     """dx = g - exp(y) * sum g per row."""
-    R, K = y.shape
-    dx = ctx.empty((R, K), "f32")
-    per = _per(K)
-    ctx.launch(kernels.get(SoftmaxKey("log_softmax_bwd")), -(-R // per), R * K * 12,
-               y.addr, g.addr, dx.addr, R, K, per)
-    return dx
+    return _rows_op(ctx, "log_softmax_bwd", y.shape, y.shape, 12, (y, g), ())
 
 
 def logsumexp(ctx, x: RawTensor) -> RawTensor:
     """log sum exp(x - m) + m per row -> [R]; m shifted to 0 when not finite."""
-    R, K = x.shape
-    out = ctx.empty((R,), "f32")
-    per = _per(K)
-    ctx.launch(kernels.get(SoftmaxKey("logsumexp")), -(-R // per), R * K * 4,
-               x.addr, out.addr, R, K, per)
-    return out
+    return _rows_op(ctx, "logsumexp", (x.shape[0],), x.shape, 4, (x,), ())
 
 
 def logsumexp_backward(ctx, x: RawTensor, lse: RawTensor, g: RawTensor) -> RawTensor:
     """dx = g[r] * exp(x - lse[r]); g contiguous [R]."""
-    R, K = x.shape
-    dx = ctx.empty((R, K), "f32")
-    per = _per(K)
-    ctx.launch(kernels.get(SoftmaxKey("logsumexp_bwd")), -(-R // per), R * K * 8,
-               x.addr, lse.addr, g.addr, dx.addr, R, K, per)
-    return dx
+    return _rows_op(ctx, "logsumexp_bwd", x.shape, x.shape, 8, (x, lse, g), ())
