@@ -8,6 +8,13 @@ LLVM IR on first use, compiled for this CPU and cached on disk.
         print((x + b).numpy())
 """
 from . import elemental, rng
+from .ag import attention as _attention, checkpoint as _checkpoint, conv as _conv
+from .ag import gather_scatter as _gather_scatter, selection as _selection
+from .ag.attention import *  # noqa: F401,F403  (each family module lists its public functions)
+from .ag.checkpoint import *  # noqa: F401,F403
+from .ag.conv import *  # noqa: F401,F403
+from .ag.gather_scatter import *  # noqa: F401,F403
+from .ag.selection import *  # noqa: F401,F403
 from .ag.context import ExecContext
 from .ag.engine import is_grad_enabled, no_grad
 from .ag.gradcheck import GradcheckResult, gradcheck
@@ -23,3 +30,7 @@ __version__ = "0.1.0"
 __all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_many", "custom_vjp",
            "band_mask", "RopeTable", "RopeTheta", "LayoutClass", "MAX_RANK", "no_grad", "is_grad_enabled", "gradcheck",
            "GradcheckResult", *_errors]
+for _family in (_attention, _checkpoint, _conv, _gather_scatter, _selection):
+    __all__ += _family.__all__
+from . import gguf, io, optim  # noqa: E402  (the training layer sits on everything above)
+__all__ += ["gguf", "io", "optim"]

@@ -14,9 +14,12 @@ from . import custom as agcustom
 from . import engine
 from . import matmul as agmm
 from .activations import ActivationMethods
+from .attention import AttentionMethods
+from .conv import ConvMethods
 from .checks import same_ctx
 from .elemental import ElementalMethods
 from .elementwise import ElementwiseMethods
+from .gather_scatter import GatherScatterMethods
 from .inplace import InplaceMethods
 from .loss import LossMethods
 from .masks import MaskMethods
@@ -25,6 +28,7 @@ from .norm import NormMethods
 from .reduce import ReduceMethods
 from .rng import RngMethods
 from .rope import RopeMethods
+from .selection import SelectionMethods
 from .shape import ShapeMethods
 from .softmax import SoftmaxMethods
 from .typed import TypedMethods
@@ -32,7 +36,8 @@ from .typed import TypedMethods
 
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
              ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods, RngMethods,
-             SoftmaxMethods, NormMethods, RopeMethods):
+             SoftmaxMethods, NormMethods, RopeMethods, AttentionMethods, ConvMethods,
+             SelectionMethods, GatherScatterMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in

@@ -1,0 +1,3 @@
+"""Activation checkpointing (SPEC T-14)."""
+
+__all__: list[str] = []
