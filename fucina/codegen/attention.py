@@ -1,0 +1,219 @@
+"""Row kernels of grouped attention (SPEC §3.12). The matrix products (q·kᵀ, p·v and the
+backward ones) run on the GEMM kernels; these kernels do everything between them, over score
+rows [R, kb] of one (query block, key block) tile, row r = head·Bq + i (query i of the block).
+
+Every row sees keys [lo, hi) of the block: hi = clamp(hi0 + i, 0, kb) (causal: query i attends
+keys up to its own position), lo = clamp(lo0 + i, 0, hi) (sliding window); columns outside are
+masked. z = s·scale (+ bias[i, c] when the key has a bias).
+
+  online   the online-softmax step of the forward: m' = max(m, max z), alpha = e^(m − m'),
+           p = e^(z − m') written over s (0 outside [lo, hi)), l' = l·alpha + Σ p, o *= alpha
+           (the caller then adds p·v into o). `first` starts m = −inf, l = 0 and leaves o alone
+           (the first p·v overwrites it). A row with nothing to attend keeps alpha = 1, p = 0.
+  finish   out = o / l written at the row's place in the [seq, head, d] result, lse = m + ln l
+           (0 and −inf for a row that attended nothing).
+  probs    backward: p = e^(z − lse) over s, 0 outside [lo, hi).
+  dscores  backward: ds = p·(dp − D)·scale written over dp (D = Σ_d dout·out of the row).
+  rowdot   D[head, q] = Σ_d a[q, head, :]·b[q, head, :].
+
+Sums and maxima fold in the fixed order of rows.fold_pass, and a row never spans two work items,
+so the bits do not depend on the thread count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import irutil as u
+from . import vmath
+from .emit import fold
+from .kernels import KernelKey, register
+from .rows import accs_of, fadd, finite, fmax, fold_pass, map_pass
+from .target import host
+
+OPS = ("online", "finish", "probs", "dscores", "rowdot")
+
+
+@register
+@dataclass(frozen=True)
+class AttentionKey(KernelKey):
+    """op in OPS; bias: an additive [q, kv] f32 bias on the scaled scores (online, probs)."""
+
+    family = "attention"
+    op: str
+    bias: bool = False
+
+    def ir(self, symbol: str) -> str:
+        if self.op not in OPS:
+            raise ValueError(f"attention kernel: unknown op {self.op!r}")
+        mod, b, args, c0, c1 = u.kernel(symbol)
+        {"online": _online, "finish": _finish, "probs": _probs, "dscores": _dscores,
+         "rowdot": _rowdot}[self.op](self, b, args, c0, c1)
+        b.ret_void()
+        return str(mod)
+
+
+def _rows(b, c0, c1, per, R):
+    return b.mul(c0, per), u.smin(b, b.mul(c1, per), R)
+
+
+def _clamp(b, v, lo, hi):
+    v = b.select(b.icmp_signed("<", v, lo), lo, v)
+    return b.select(b.icmp_signed(">", v, hi), hi, v)
+
+
+def _window(b, i, hi0, lo0, kb):
+    """[lo, hi) of the keys row i of the block attends."""
+    hi = _clamp(b, b.add(hi0, i), u.i64(0), kb)
+    lo = _clamp(b, b.add(lo0, i), u.i64(0), hi)
+    return lo, hi
+
+
+def _scores(key, b, sb, biasb, scales, W):
+    """z(c, mask): the scaled (and biased) scores of a row."""
+    def z(c, m):
+        v = b.fmul(u.load(b, sb, c, "f32", W, m), scales)
+        if key.bias:
+            v = b.fadd(v, u.load(b, biasb, c, "f32", W, m))
+        return v
+    return z
+
+
+def _zero_outside(b, row, lo, hi, kb, W):
+    zero = u.const(ir.VectorType(u.F32, W), 0.0)
+    map_pass(b, u.i64(0), lo, W, lambda c, m: u.store(b, zero, row, c, "f32", m))
+    map_pass(b, hi, kb, W, lambda c, m: u.store(b, zero, row, c, "f32", m))
+
+
+def _online(key, b, args, c0, c1):
+    """args: s, o, m, l, bias, R, kb, d, scale, Bq, hi0, lo0, first, per, bias row stride."""
+    W = host().f32_lanes
+    vt = ir.VectorType(u.F32, W)
+    s, o, mp, lp, bias = (u.arg_ptr(b, args, i) for i in range(5))
+    R, kb, d = (u.arg(b, args, i) for i in (5, 6, 7))
+    scales = u.splat(b, u.arg_f32(b, args, 8), W)
+    Bq, hi0, lo0, first, per, bstride = (u.arg(b, args, i) for i in range(9, 15))
+    is_first = b.icmp_signed("!=", first, u.i64(0))
+    r0, r1 = _rows(b, c0, c1, per, R)
+    mx = accs_of(b, vt, float("-inf"))
+    sx = accs_of(b, vt, 0.0)
+    ninf = u.const(u.F32, float("-inf"))
+    with u.Loop(b, r0, r1, 1, "r") as r:
+        i = b.srem(r, Bq)
+        lo, hi = _window(b, i, hi0, lo0, kb)
+        sb = b.gep(s, [b.mul(r, kb)], source_etype=u.F32)
+        biasb = b.gep(bias, [b.mul(i, bstride)], source_etype=u.F32) if key.bias else None
+        z = _scores(key, b, sb, biasb, scales, W)
+        for p in mx:
+            b.store(u.const(vt, float("-inf")), p)
+        fold_pass(b, lo, hi, W, mx, z, fmax, float("-inf"))
+        m_old = b.select(is_first, ninf, u.load(b, mp, r, "f32"))
+        l_old = b.select(is_first, u.const(u.F32, 0.0), u.load(b, lp, r, "f32"))
+        m_new = fmax(b, fold(b, mx, fmax), m_old)
+        fin = finite(b, m_new)
+        shift = b.select(fin, m_new, u.const(u.F32, 0.0))
+        alpha = b.select(fin, vmath.exp(b, b.fsub(m_old, shift)), u.const(u.F32, 1.0))
+        ms = u.splat(b, shift, W)
+
+        def e(c, msk):
+            v = vmath.exp(b, b.fsub(z(c, msk), ms))
+            u.store(b, v, sb, c, "f32", msk)
+            return v
+
+        for p in sx:
+            b.store(u.const(vt, 0.0), p)
+        fold_pass(b, lo, hi, W, sx, e, fadd, 0.0)
+        _zero_outside(b, sb, lo, hi, kb, W)
+        u.store(b, b.fadd(b.fmul(l_old, alpha), fold(b, sx, fadd)), lp, r, "f32")
+        u.store(b, m_new, mp, r, "f32")
+        with b.if_then(b.not_(is_first)):
+            ob = b.gep(o, [b.mul(r, d)], source_etype=u.F32)
+            av = u.splat(b, alpha, W)
+            map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(
+                b, b.fmul(u.load(b, ob, c, "f32", W, msk), av), ob, c, "f32", msk))
+
+
+def _finish(key, b, args, c0, c1):
+    """args: o, m, l, out, lse, R, d, Bq, per, out row stride, lse head stride.
+    Row r = h·Bq + i goes to out + i·ostride + h·d and lse[h·lstride + i]."""
+    W = host().f32_lanes
+    o, mp, lp, out, lse = (u.arg_ptr(b, args, i) for i in range(5))
+    R, d, Bq, per, ostride, lstride = (u.arg(b, args, i) for i in range(5, 11))
+    r0, r1 = _rows(b, c0, c1, per, R)
+    with u.Loop(b, r0, r1, 1, "r") as r:
+        h, i = b.sdiv(r, Bq), b.srem(r, Bq)
+        l = u.load(b, lp, r, "f32")
+        some = b.fcmp_ordered(">", l, u.const(u.F32, 0.0))
+        inv = b.select(some, b.fdiv(u.const(u.F32, 1.0), l), u.const(u.F32, 0.0))
+        lse_v = b.select(some, b.fadd(u.load(b, mp, r, "f32"), vmath.log(b, l)),
+                         u.const(u.F32, float("-inf")))
+        u.store(b, lse_v, lse, b.add(b.mul(h, lstride), i), "f32")
+        ob = b.gep(o, [b.mul(r, d)], source_etype=u.F32)
+        yb = b.gep(out, [b.add(b.mul(i, ostride), b.mul(h, d))], source_etype=u.F32)
+        iv = u.splat(b, inv, W)
+        map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(
+            b, b.fmul(u.load(b, ob, c, "f32", W, msk), iv), yb, c, "f32", msk))
+
+
+def _probs(key, b, args, c0, c1):
+    """args: s, lse, bias, R, kb, scale, Bq, hi0, lo0, per, bias row stride, lse head stride."""
+    W = host().f32_lanes
+    s, lse, bias = (u.arg_ptr(b, args, i) for i in range(3))
+    R, kb = u.arg(b, args, 3), u.arg(b, args, 4)
+    scales = u.splat(b, u.arg_f32(b, args, 5), W)
+    Bq, hi0, lo0, per, bstride, lstride = (u.arg(b, args, i) for i in range(6, 12))
+    r0, r1 = _rows(b, c0, c1, per, R)
+    with u.Loop(b, r0, r1, 1, "r") as r:
+        h, i = b.sdiv(r, Bq), b.srem(r, Bq)
+        lo, hi = _window(b, i, hi0, lo0, kb)
+        sb = b.gep(s, [b.mul(r, kb)], source_etype=u.F32)
+        biasb = b.gep(bias, [b.mul(i, bstride)], source_etype=u.F32) if key.bias else None
+        z = _scores(key, b, sb, biasb, scales, W)
+        lv = u.load(b, lse, b.add(b.mul(h, lstride), i), "f32")
+        fin = finite(b, lv)
+        hi = b.select(fin, hi, lo)   # a row that attended nothing has p = 0 everywhere
+        ls = u.splat(b, lv, W)
+        map_pass(b, lo, hi, W, lambda c, m: u.store(
+            b, vmath.exp(b, b.fsub(z(c, m), ls)), sb, c, "f32", m))
+        _zero_outside(b, sb, lo, hi, kb, W)
+
+
+def _dscores(key, b, args, c0, c1):
+    """args: p, dp, D, R, kb, scale, Bq, per, D head stride."""
+    W = host().f32_lanes
+    p, dp, D = (u.arg_ptr(b, args, i) for i in range(3))
+    R, kb = u.arg(b, args, 3), u.arg(b, args, 4)
+    scales = u.splat(b, u.arg_f32(b, args, 5), W)
+    Bq, per, dstride = (u.arg(b, args, i) for i in range(6, 9))
+    r0, r1 = _rows(b, c0, c1, per, R)
+    with u.Loop(b, r0, r1, 1, "r") as r:
+        h, i = b.sdiv(r, Bq), b.srem(r, Bq)
+        dv = u.splat(b, u.load(b, D, b.add(b.mul(h, dstride), i), "f32"), W)
+        pb = b.gep(p, [b.mul(r, kb)], source_etype=u.F32)
+        gb = b.gep(dp, [b.mul(r, kb)], source_etype=u.F32)
+
+        def body(c, m):
+            pv = u.load(b, pb, c, "f32", W, m)
+            v = b.fmul(b.fmul(pv, b.fsub(u.load(b, gb, c, "f32", W, m), dv)), scales)
+            u.store(b, v, gb, c, "f32", m)
+        map_pass(b, u.i64(0), kb, W, body)
+
+
+def _rowdot(key, b, args, c0, c1):
+    """args: a, b, D, R (= seq·H), d, H, seq, per; row r = q·H + h -> D[h·seq + q]."""
+    W = host().f32_lanes
+    vt = ir.VectorType(u.F32, W)
+    x, y, D = (u.arg_ptr(b, args, i) for i in range(3))
+    R, d, H, seq, per = (u.arg(b, args, i) for i in range(3, 8))
+    r0, r1 = _rows(b, c0, c1, per, R)
+    sx = accs_of(b, vt, 0.0)
+    with u.Loop(b, r0, r1, 1, "r") as r:
+        xb = b.gep(x, [b.mul(r, d)], source_etype=u.F32)
+        yb = b.gep(y, [b.mul(r, d)], source_etype=u.F32)
+        for p in sx:
+            b.store(u.const(vt, 0.0), p)
+        fold_pass(b, u.i64(0), d, W, sx, lambda c, m: b.fmul(
+            u.load(b, xb, c, "f32", W, m), u.load(b, yb, c, "f32", W, m)), fadd, 0.0)
+        q, h = b.sdiv(r, H), b.srem(r, H)
+        u.store(b, fold(b, sx, fadd), D, b.add(b.mul(h, seq), q), "f32")

@@ -1,0 +1,201 @@
+"""grouped_attention (SPEC §3.12) against torch's scaled_dot_product_attention: values and the
+q/k/v gradients for causal, windowed and bidirectional attention, GQA and arbitrary head maps,
+f16 keys/values, an additive bias, lengths on both sides of the tiling thresholds (and with tiny
+tiles, so every online-softmax path runs on small problems), finite differences, bitwise thread
+invariance, the acceptance and bad input."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fucina as fu
+from conftest import assert_bitwise
+from fucina.exec import attention as exa
+
+RNG = np.random.default_rng(12)
+QT, KT = ("seq", "head", "d"), ("seq", "kv_head", "d")
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def torch_attention(q, k, v, heads, scale, causal=True, window=0, bias=None):
+    """SPEC's torch equivalent: SDPA after expanding the KV heads per query head; causal aligned
+    to the end of the keys (an explicit mask, which also carries the window)."""
+    S, H, D = q.shape
+    T = k.shape[0]
+    idx = torch.tensor(heads)
+    qq, kk, vv = q.permute(1, 0, 2), k.permute(1, 0, 2)[idx], v.permute(1, 0, 2)[idx]
+    mask = bias
+    if causal:
+        i = torch.arange(S)[:, None] + T - S
+        j = torch.arange(T)[None, :]
+        allowed = j <= i
+        if window:
+            allowed &= j > i - window
+        mask = torch.where(allowed, 0.0, float("-inf"))
+    out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+    return out.permute(1, 0, 2).reshape(S, H * D)
+
+
+def check(ctx, S, T, H, KVH, D, heads=None, causal=True, window=0, tol=2e-5):
+    heads = heads or [h // (H // KVH) for h in range(H)]
+    q, k, v, g = rand(S, H, D), rand(T, KVH, D), rand(T, KVH, D), rand(S, H * D)
+    scale = 1.0 / np.sqrt(D)
+    Q, K, V = ctx.variable(q, QT), ctx.variable(k, KT), ctx.variable(v, KT)
+    y = Q.grouped_attention(K, V, heads, "hd", scale, mask="causal" if causal else "bidirectional",
+                            window=window)
+    assert y.tags == ("seq", "hd") and y.shape == (S, H * D)
+    y.backward(grad=ctx.tensor(g, ("seq", "hd")))
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    ty = torch_attention(tq, tk, tv, heads, scale, causal, window)
+    ty.backward(torch.from_numpy(g))
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=tol, atol=tol)
+    for mine, theirs in ((Q, tq), (K, tk), (V, tv)):
+        np.testing.assert_allclose(mine.grad().numpy(), theirs.grad.numpy(), rtol=tol, atol=tol)
+    return y.numpy(), Q.grad().numpy(), K.grad().numpy(), V.grad().numpy()
+
+
+@pytest.fixture
+def tiny_tiles(monkeypatch):
+    """Tiles small enough that a short sequence spans many query and key blocks (the online
+    softmax rescales, skipped tiles, partial blocks)."""
+    monkeypatch.setattr(exa, "BQ", 8)
+    monkeypatch.setattr(exa, "BK", 16)
+    monkeypatch.setattr(exa, "BKB", 8)
+
+
+def test_acceptance(ctx):
+    q = ctx.tensor([[[1.0, 0.0]]], QT)
+    k = ctx.tensor([[[1.0, 1.0]]], KT)
+    v = ctx.tensor([[[5.0, 7.0]]], KT)
+    np.testing.assert_allclose(q.grouped_attention(k, v, [0], "o", 1.0).numpy(), [[5.0, 7.0]])
+
+
+@pytest.mark.parametrize("S,T,H,KVH,D", [(1, 1, 1, 1, 4), (7, 7, 4, 2, 8), (37, 50, 4, 4, 16),
+                                         (130, 130, 2, 1, 64)])
+def test_causal_gqa(ctx, S, T, H, KVH, D):
+    check(ctx, S, T, H, KVH, D)
+
+
+@pytest.mark.parametrize("T", [exa.BK - 100, exa.BK + 188])
+def test_both_sides_of_the_key_tile(ctx1, T):
+    """Up to BK keys per query block is one plain softmax pass; beyond, the online form."""
+    check(ctx1, 70, T, 2, 1, 32)
+    check(ctx1, 70, T, 2, 2, 16, causal=False)
+
+
+def test_tiled_paths(ctx, tiny_tiles):
+    check(ctx, 37, 53, 4, 2, 8)
+    check(ctx, 37, 53, 4, 2, 8, causal=False)
+    check(ctx, 37, 53, 2, 1, 8, window=5)
+    check(ctx, 20, 20, 2, 2, 8, window=1)
+
+
+def test_window(ctx):
+    check(ctx, 40, 64, 4, 2, 16, window=9)
+    check(ctx, 40, 64, 4, 2, 16, window=1000)
+
+
+def test_bidirectional(ctx):
+    check(ctx, 33, 21, 4, 1, 16, causal=False)   # more queries than keys is fine here
+
+
+def test_arbitrary_head_map(ctx):
+    check(ctx, 12, 15, 4, 2, 8, heads=[1, 0, 1, 0])
+    check(ctx, 12, 15, 3, 3, 8, heads=[2, 2, 0])    # KV head 1 unused: its grads are zero
+
+
+def test_f16_kv_gradient_to_q_only(ctx):
+    S, T, H, KVH, D = 20, 24, 4, 2, 16
+    q, k, v, g = rand(S, H, D), rand(T, KVH, D), rand(T, KVH, D), rand(S, H * D)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    Q = ctx.variable(q, QT)
+    K, V = ctx.tensor(k16, KT, dtype="f16"), ctx.tensor(v16, KT, dtype="f16")
+    heads = [h // 2 for h in range(H)]
+    y = Q.grouped_attention(K, V, heads, "hd", 0.25)
+    y.backward(grad=ctx.tensor(g, ("seq", "hd")))
+    tq = torch.tensor(q, requires_grad=True)
+    ty = torch_attention(tq, torch.from_numpy(k16.astype(np.float32)),
+                         torch.from_numpy(v16.astype(np.float32)), heads, 0.25)
+    ty.backward(torch.from_numpy(g))
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(Q.grad().numpy(), tq.grad.numpy(), rtol=2e-5, atol=2e-5)
+    Kv = ctx.variable(k16, KT, dtype="f16")
+    with pytest.raises(fu.UnsupportedGradient, match="q only"):
+        Q.grouped_attention(Kv, V, heads, "hd", 0.25)
+
+
+def test_bias_is_inference_only(ctx):
+    S, T, H, D = 9, 13, 2, 8
+    q, k, v, bias = rand(S, H, D), rand(T, H, D), rand(T, H, D), rand(S, T)
+    Q, K, V = ctx.tensor(q, QT), ctx.tensor(k, KT), ctx.tensor(v, KT)
+    B = ctx.tensor(bias, ("q", "k"))
+    y = Q.grouped_attention(K, V, [0, 1], "hd", 0.3, mask="bidirectional", bias=B)
+    want = torch_attention(*(torch.from_numpy(a) for a in (q, k, v)), [0, 1], 0.3, causal=False,
+                           bias=torch.from_numpy(bias))
+    np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=2e-5, atol=2e-5)
+    with pytest.raises(fu.UnsupportedGradient, match="inference-only"):
+        ctx.variable(q, QT).grouped_attention(K, V, [0, 1], "hd", 0.3, mask="bidirectional", bias=B)
+    with fu.no_grad():
+        ctx.variable(q, QT).grouped_attention(K, V, [0, 1], "hd", 0.3, mask="bidirectional", bias=B)
+    with pytest.raises(fu.InvalidShape, match="bidirectional"):
+        Q.grouped_attention(K, V, [0, 1], "hd", 0.3, bias=B)
+
+
+def test_gradcheck(ctx1):
+    S, T, H, KVH, D = 5, 6, 2, 1, 4
+    q, k, v = (ctx1.variable(rand(*s).astype(np.float64).astype(np.float32), t)
+               for s, t in (((S, H, D), QT), ((T, KVH, D), KT), ((T, KVH, D), KT)))
+    w = ctx1.tensor(rand(S, H * D), ("seq", "hd"))
+    with ctx1.exec_scope():
+        fu.gradcheck(lambda a, b, c: (a.grouped_attention(b, c, [0, 0], "hd", 0.7, window=3) * w).sum_all(),
+                     [q, k, v], eps=1e-2, abs_tol=2e-3, rel_tol=2e-2)
+
+
+def test_thread_invariance(ctx1, ctx2, tiny_tiles):
+    results = []
+    for ctx in (ctx1, ctx2):
+        global RNG
+        RNG = np.random.default_rng(99)
+        results.append(check(ctx, 45, 60, 4, 2, 16))
+    for a, b in zip(*results):
+        assert_bitwise(a, b)
+    results = []
+    for ctx in (ctx1, ctx2):
+        RNG = np.random.default_rng(7)
+        results.append(check(ctx, 300, 700, 4, 2, 32))   # default tiles, online and multi-block
+    for a, b in zip(*results):
+        assert_bitwise(a, b)
+
+
+def test_bad_input(ctx):
+    q = ctx.tensor(rand(4, 2, 8), QT)
+    k = ctx.tensor(rand(6, 1, 8), KT)
+    v = ctx.tensor(rand(6, 1, 8), KT)
+    with pytest.raises(fu.TagError, match="expected q tagged"):
+        ctx.tensor(rand(4, 2, 8), ("s", "head", "d")).grouped_attention(k, v, [0, 0], "o", 1.0)
+    with pytest.raises(fu.TagError, match="expected k tagged"):
+        q.grouped_attention(ctx.tensor(rand(6, 1, 8), ("seq", "kvh", "d")), v, [0, 0], "o", 1.0)
+    with pytest.raises(fu.ShapeMismatch, match="head dim 8"):
+        q.grouped_attention(ctx.tensor(rand(6, 1, 4), KT), v, [0, 0], "o", 1.0)
+    with pytest.raises(fu.ShapeMismatch, match="v of k's shape"):
+        q.grouped_attention(k, ctx.tensor(rand(5, 1, 8), KT), [0, 0], "o", 1.0)
+    with pytest.raises(fu.InvalidDataLength, match="expected 2 entries"):
+        q.grouped_attention(k, v, [0], "o", 1.0)
+    with pytest.raises(fu.IndexOutOfBounds, match=r"kv_head_for_head\[1\]"):
+        q.grouped_attention(k, v, [0, 1], "o", 1.0)
+    with pytest.raises(fu.ShapeMismatch, match="kv seq >= q seq"):
+        q.grouped_attention(ctx.tensor(rand(3, 1, 8), KT), ctx.tensor(rand(3, 1, 8), KT), [0, 0], "o", 1.0)
+    with pytest.raises(fu.InvalidShape, match="window"):
+        q.grouped_attention(k, v, [0, 0], "o", 1.0, mask="bidirectional", window=2)
+    with pytest.raises(ValueError, match="mask"):
+        q.grouped_attention(k, v, [0, 0], "o", 1.0, mask="full")
+    with pytest.raises(TypeError):
+        q.grouped_attention(k, v, [0, 0], "o", 1.0, lens=[4])
+    with pytest.raises(fu.DTypeError, match="q of dtype f32"):
+        ctx.tensor(rand(4, 2, 8), QT, dtype="f16").grouped_attention(k, v, [0, 0], "o", 1.0)
+    with pytest.raises(fu.ShapeMismatch, match="bias of shape"):
+        q.grouped_attention(k, v, [0, 0], "o", 1.0, mask="bidirectional",
+                            bias=ctx.tensor(rand(4, 5), ("a", "b")))
