@@ -197,6 +197,35 @@ def test_first_fit_ascending_lifo_within_class(f32):
     assert p.stats()["reuses"] == 4 and p.stats()["allocs"] == 4
 
 
+@pytest.mark.parametrize("f32", [True, False])
+def test_first_fit_is_bounded(f32):
+    """A small request does not take a cached buffer more than twice its size and 64 KiB
+    bigger (it would pin memory the next big request then has to fault in anew)."""
+    p = rt.Pool()
+    big = p.alloc(1 << 24, f32)
+    B = big.addr
+    del big
+    small = p.alloc(1 << 12, f32)
+    assert small.addr != B and p._free_list(f32) == [(1 << 24, B)]
+    half = p.alloc((1 << 23) + 4096, f32)   # within 2x: reused
+    assert half.addr == B and half.capacity == 1 << 24
+    del half
+    near = p.alloc(1 << 20, f32)   # 1 MiB from a 16 MiB entry: a fresh buffer
+    assert near.addr != B
+
+
+def test_peak_bytes():
+    p = rt.Pool()
+    a = p.alloc(1 << 20, True)
+    b = p.alloc(1 << 21, True)
+    del a
+    st = p.stats()
+    assert st["outstanding_bytes"] == 1 << 21 and st["peak_bytes"] == 3 << 20
+    assert p.reset_peak() == 3 << 20 and p.stats()["peak_bytes"] == 1 << 21
+    del b
+    assert p.stats()["outstanding_bytes"] == 0
+
+
 def test_free_list_stays_sorted_under_random_traffic():
     rng = random.Random(1234)
     p = rt.Pool()

@@ -2,7 +2,11 @@
  * fucina.runtime._rt -- the C runtime of Fucina (DESIGN.md section 5, SPEC R-2, R-3).
  *
  *   Pool    per-context transient buffer pool: two arms (f32 size classes, 4 KiB byte slabs),
- *           free lists ascending by capacity, first fit, LIFO within a class, byte cap.
+ *           free lists ascending by capacity, bounded first fit (the smallest cached entry
+ *           that holds the request, unless it is more than twice the request and 64 KiB
+ *           bigger: then a fresh allocation, so a tiny tensor never pins a huge buffer that
+ *           the next big request must then fault in anew), LIFO within a class, byte cap;
+ *           outstanding and peak bytes for memory tests.
  *   Buffer  storage object: raw address as a cached Python int + the buffer protocol.
  *           Its death returns the memory to its pool (Python refcounting drives reuse).
  *   Team    persistent pthread workers: spin briefly, then park on a futex.
@@ -154,6 +158,7 @@ typedef struct {
     size_t max_cached;
     size_t cached_bytes;
     Py_ssize_t outstanding;
+    size_t outstanding_bytes, peak_bytes; /* capacities of live buffers; their high-water mark */
     uint64_t n_allocs, n_reuses, n_releases, n_dropped;
     int closed;
 } PoolObject;
@@ -203,12 +208,18 @@ rt_count_ge(const rt_freelist *fl, size_t need)
     return lo;
 }
 
-/* Smallest cached entry with cap >= need, newest first among equals; 0 if none. */
+#define RT_FIT_SLACK ((size_t)64 << 10)
+
+/* Smallest cached entry with cap >= need, newest first among equals; 0 if none or if that
+ * entry is oversized (cap > 2 need and cap > need + 64 KiB). */
 static int
 rt_freelist_take(rt_freelist *fl, size_t need, rt_entry *out)
 {
     size_t k = rt_count_ge(fl, need);
     if (k == 0)
+        return 0;
+    size_t cap = fl->v[k - 1].cap;
+    if (cap / 2 > need && cap - need > RT_FIT_SLACK)
         return 0;
     *out = fl->v[k - 1];
     memmove(&fl->v[k - 1], &fl->v[k], (fl->len - k) * sizeof(rt_entry));
@@ -258,6 +269,7 @@ rt_pool_release(PoolObject *pool, BufferObject *b)
 {
     size_t cap = (size_t)b->capacity;
     pool->outstanding--;
+    pool->outstanding_bytes -= cap;
     if (!pool->closed) {
         pool->n_releases++;
         if (cap <= pool->max_cached && pool->cached_bytes <= pool->max_cached - cap) {
@@ -520,7 +532,19 @@ pool_alloc(PoolObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *
     b->f32_arm = (unsigned char)f32;
     b->pool = (PoolObject *)Py_NewRef(self);
     self->outstanding++;
+    self->outstanding_bytes += e.cap;
+    if (self->outstanding_bytes > self->peak_bytes)
+        self->peak_bytes = self->outstanding_bytes;
     return (PyObject *)b;
+}
+
+/* reset_peak() -> int: the peak so far; the peak restarts at the current outstanding bytes. */
+static PyObject *
+pool_reset_peak(PoolObject *self, PyObject *unused)
+{
+    size_t peak = self->peak_bytes;
+    self->peak_bytes = self->outstanding_bytes;
+    return PyLong_FromSize_t(peak);
 }
 
 static PyObject *
@@ -583,6 +607,8 @@ pool_stats(PoolObject *self, PyObject *unused)
         rt_dict_set_u64(d, "releases", self->n_releases) < 0 ||
         rt_dict_set_u64(d, "dropped", self->n_dropped) < 0 ||
         rt_dict_set_u64(d, "outstanding", (unsigned long long)self->outstanding) < 0 ||
+        rt_dict_set_u64(d, "outstanding_bytes", self->outstanding_bytes) < 0 ||
+        rt_dict_set_u64(d, "peak_bytes", self->peak_bytes) < 0 ||
         rt_dict_set_u64(d, "cached_buffers", self->arm[ARM_F32].len) < 0 ||
         rt_dict_set_u64(d, "cached_slabs", self->arm[ARM_SLAB].len) < 0 ||
         rt_dict_set_u64(d, "cached_bytes", self->cached_bytes) < 0 ||
@@ -631,6 +657,8 @@ pool_get_closed(PoolObject *self, void *c)
 static PyMethodDef pool_methods[] = {
     {"alloc", (PyCFunction)(void (*)(void))pool_alloc, METH_FASTCALL | METH_KEYWORDS,
      "alloc(nbytes, f32_arm, zero=False) -> Buffer: 64-byte aligned, reused if possible"},
+    {"reset_peak", (PyCFunction)pool_reset_peak, METH_NOARGS,
+     "reset_peak() -> int: return the peak outstanding bytes and restart it from now"},
     {"trim", (PyCFunction)pool_trim, METH_NOARGS,
      "trim() -> int: free every cached buffer, return how many"},
     {"close", (PyCFunction)pool_close, METH_NOARGS,
