@@ -8,10 +8,12 @@ import math
 import numpy as np
 
 from .. import axes
-from ..errors import IndexOutOfBounds, InvalidDataLength, InvalidShape
+from ..errors import (DTypeError, IndexOutOfBounds, InvalidDataLength, InvalidShape,
+                      LinearCrossEntropyBackwardConsumed, ShapeMismatch, TagError)
 from ..exec import elementwise as ew
 from ..exec import loss as exl
 from ..exec import reduce as red
+from .checks import same_ctx
 from .engine import finish_op
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -47,18 +49,34 @@ def _labels(ctx, labels, R: int, K: int, ignore_index):
     return ctx.from_numpy(enc, (R,), "i64", "cross_entropy"), int(R - ignored.sum())
 
 
+def _smoothing(op: str, label_smoothing) -> float:
+    eps = float(label_smoothing)
+    if not 0.0 <= eps < 1.0:
+        raise InvalidShape(f"{op}: expected label_smoothing in [0, 1), got {label_smoothing}")
+    return eps
+
+
+def _reduce(ctx, op: str, per_row, valid: int, reduction: str, rest_shape, rest_tags):
+    """(loss, tags, backward coefficient scale) from the per-row losses: `none` keeps them,
+    `sum` adds them serially in row order, `mean` divides that by the non-ignored rows (0 when
+    there are none)."""
+    if reduction == "none":
+        return per_row.view(rest_shape, _contig(rest_shape)), rest_tags, 1.0
+    total = exl.serial_sum(ctx, per_row)
+    if reduction == "sum":
+        return total, (), 1.0
+    if not valid:
+        return ctx.full_raw((), 0.0), (), 0.0
+    return ew.run(ctx, "div", "f32", (), (total, float(valid))), (), 1.0 / valid
+
+
 def cross_entropy(x, class_tag: str, labels, ignore_index=None, reduction: str = "mean",
                   label_smoothing: float = 0.0):
     r = x._live("cross_entropy")
     ctx = r.ctx
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"cross_entropy: expected reduction in {REDUCTIONS}, got {reduction!r}")
-    eps = float(label_smoothing)
-    if not 0.0 <= eps < 1.0:
-        raise InvalidShape(f"cross_entropy: expected label_smoothing in [0, 1), got {label_smoothing}")
+    _reduction("cross_entropy", reduction)
+    eps = _smoothing("cross_entropy", label_smoothing)
     if r.dtype != "f32":
-        from ..errors import DTypeError
-
         raise DTypeError(f"cross_entropy: expected f32 logits, got {r.dtype}")
     ax, rest = axes.reduced(x.tags, class_tag, "cross_entropy")
     K = r.shape[ax]
@@ -70,19 +88,61 @@ def cross_entropy(x, class_tag: str, labels, ignore_index=None, reduction: str =
     rows = ew.materialize(ctx, r.permute(perm))
     rows = rows.view((R, K), (K, 1))
     per_row, m, s = exl.ce_forward(ctx, rows, lab, eps)
-    if reduction == "none":
-        out, tags = per_row.view(rest_shape, _contig(rest_shape)), rest
-        scale = 1.0
-    else:
-        total = red.reduce_all(ctx, "sum", per_row)
-        if reduction == "mean":
-            scale = 1.0 / valid if valid else 0.0
-            total = ew.run(ctx, "div", "f32", (), (total, float(valid))) if valid else ctx.full_raw((), 0.0)
-        else:
-            scale = 1.0
-        out, tags = total, ()
+    out, tags, scale = _reduce(ctx, "cross_entropy", per_row, valid, reduction, rest_shape, rest)
     saved = (ctx, rows, lab, m, s, eps, scale, perm, r.shape, rest_shape)
     return finish_op("cross_entropy", out, tags, (x,), lambda needs: functools.partial(_ce_grads, saved))
+
+
+def linear_cross_entropy(x, weight, labels, ignore_index=None, reduction: str = "mean",
+                         label_smoothing: float = 0.0):
+    """cross_entropy(x · weightᵀ) as one op (SPEC L-2). The logits live only in the saved
+    record; the backward overwrites them with their gradient G, then dx = G·W and dW = Gᵀ·X, so
+    no second [rows, classes] buffer is ever allocated. The record is single-use."""
+    op = "linear_cross_entropy"
+    same_ctx(op, x, weight)
+    xr, wr = x._live(op), weight._live(op)
+    ctx = xr.ctx
+    for what, t, r in (("self", x, xr), ("weight", weight, wr)):
+        if r.rank != 2:
+            raise InvalidShape(f"{op}: expected {what} of rank 2, got shape {r.shape}")
+        if r.dtype != "f32":
+            raise DTypeError(f"{op}: expected {what} of dtype f32, got {r.dtype}")
+    shared = x.tags[1]
+    if weight.tags[1] != shared:
+        raise TagError(f"{op}: expected weight tagged (class, {shared!r}) (the shared axis last "
+                       f"on both), got {weight.tags}")
+    class_tag = weight.tags[0]
+    if class_tag in x.tags:
+        raise TagError(f"{op}: the class axis {class_tag!r} of weight must not be an axis of "
+                       f"self {x.tags}")
+    if xr.shape[1] != wr.shape[1]:
+        raise ShapeMismatch(f"{op}: expected weight with {xr.shape[1]} {shared!r} features "
+                            f"(self's), got {wr.shape[1]}")
+    _reduction(op, reduction)
+    eps = _smoothing(op, label_smoothing)
+    R, K = xr.shape[0], wr.shape[0]
+    lab, valid = _labels(ctx, labels, R, K, ignore_index)
+    xr, wr = ew.materialize(ctx, xr), ew.materialize(ctx, wr)
+    logits = exl.linear_logits(ctx, xr, wr)
+    per_row, m, s = exl.ce_forward(ctx, logits, lab, eps)
+    out, tags, scale = _reduce(ctx, op, per_row, valid, reduction, (R,), (x.tags[0],))
+    state = [logits]
+    saved = (ctx, state, xr, wr, lab, m, s, eps, scale)
+    del logits
+    return finish_op(op, out, tags, (x, weight),
+                     lambda needs: functools.partial(_linear_ce_grads, saved, needs))
+
+
+def _linear_ce_grads(saved, needs, g):
+    ctx, state, xr, wr, lab, m, s, eps, scale = saved
+    if not state:
+        raise LinearCrossEntropyBackwardConsumed(
+            "linear_cross_entropy: its backward already ran (the saved logits became their "
+            "gradient); expected a fresh forward")
+    G = state.pop()
+    exl.ce_backward(ctx, G, lab, m, s, ew.materialize(ctx, g) if g.numel > 1 else g, eps, scale,
+                    out=G)
+    return exl.linear_grads(ctx, G, xr, wr, needs[0], needs[1])
 
 
 def _ce_grads(saved, g):
@@ -161,8 +221,6 @@ def _reduction(name: str, reduction) -> str:
 
 def pointwise_loss(name: str, x, t, reduction: str, fwd: str, dx: str, dt: str, params=()):
     """The L-4 skeleton: per-element losses, optional sum/mean, grads to both operands."""
-    from ..errors import DTypeError, ShapeMismatch, TagError
-    from .checks import same_ctx
     from .elementwise import aligned
 
     reduction = _reduction(name, reduction)
@@ -257,6 +315,15 @@ class LossMethods:
                                                     reduction, label_smoothing))
 
     cross_entropy_ext = cross_entropy
+
+    def linear_cross_entropy(self, weight, labels, *, ignore_index=None, reduction: str = "mean",
+                             label_smoothing: float = 0.0):
+        """cross_entropy(self · weightᵀ) fused: self [row, shared], weight [class, shared];
+        gradients to both; the backward record is single-use (SPEC L-2)."""
+        return self._result(*linear_cross_entropy(self, weight, labels, ignore_index, reduction,
+                                                  label_smoothing))
+
+    linear_cross_entropy_ext = linear_cross_entropy
 
     # L-4 elementwise losses: one fused forward kernel per loss and one fused derivative kernel
     # per operand, written as elemental expression texts (codegen/elemental.py's grammar); the

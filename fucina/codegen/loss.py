@@ -96,3 +96,24 @@ class CeBackwardKey(KernelKey):
             map_pass(b, u.i64(0), K, W, body)
         b.ret_void()
         return str(mod)
+
+
+@register
+@dataclass(frozen=True)
+class SerialSumKey(KernelKey):
+    """args: v, out, n — out[0] = (((v0 + v1) + v2) + ...) in f32, one chunk: the loss
+    reduction of SPEC L-1 is one serial sum in row order, the same bits for any thread count."""
+
+    family = "serial_sum"
+
+    def ir(self, symbol: str) -> str:
+        mod, b, args, c0, c1 = u.kernel(symbol)
+        v, out = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+        n = u.arg(b, args, 2)
+        acc = u.entry_alloca(b, u.F32)
+        b.store(u.const(u.F32, 0.0), acc)
+        with u.Loop(b, u.i64(0), n, 1, "i") as i:
+            b.store(b.fadd(b.load(acc), u.load(b, v, i, "f32")), acc)
+        u.store(b, b.load(acc), out, u.i64(0), "f32")
+        b.ret_void()
+        return str(mod)
