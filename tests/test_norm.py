@@ -276,3 +276,29 @@ def test_errors(ctx):
     with pytest.raises(fu.ContextMismatch):
         with fu.ExecContext(threads=1) as other:
             x.rms_norm_mul("d", other.ones((4,), ("d",)), 1e-6)
+
+
+def test_rms_norm_mul_rope_half_prepared(ctx):
+    """QK-norm + RoPE: against torch's rms_norm then the HF rotate_half rotation, values and
+    gradients for x and weight; positions may be negative; a RopeTheta is refused."""
+    P, H, D = 6, 3, 16
+    positions = [-2, 0, 1, 5, 9, 3]
+    x = rand((P, H, D))
+    w = rand((D,), 0.5, 1.0)
+    table = ctx.prepare_rope_table(positions, D, 10000.0)
+
+    def torch_fn(tx, tw):
+        y = F.rms_norm(tx, (D,), tw, 1e-6)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        ang = torch.tensor(positions, dtype=torch.float32)[:, None] * inv[None, :]
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+        rot = torch.cat([-y[..., D // 2:], y[..., :D // 2]], -1)
+        return y * cos + rot * sin
+
+    run_both(ctx, [x, w], [("seq", "head", "d"), ("d",)],
+             lambda a, b: a.rms_norm_mul_rope_half_prepared("seq", "d", b, 1e-6, table),
+             torch_fn, atol=2e-5, rtol=2e-5)
+    with pytest.raises(TypeError, match="prepared RopeTable"):
+        ctx.tensor(x, ("seq", "head", "d")).rms_norm_mul_rope_half_prepared(
+            "seq", "d", ctx.tensor(w, ("d",)), 1e-6, fu.RopeTheta(positions, 10000.0))

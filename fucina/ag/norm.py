@@ -17,6 +17,7 @@ from ..exec import elementwise as ew
 from ..exec import norm as exn
 from .checks import real, same_ctx
 from .engine import finish_op
+from .rope import RopeTable
 from .softmax import from_rows, rows_of, to_rows
 
 EPS_MODES = {"outside_sqrt": "outside", "inside_sqrt": "inside"}
@@ -125,6 +126,18 @@ class NormMethods:
             raise TypeError(f"{op}: expected weight and residual tensors")
         return self._result(*normalize(op, self, tag, spec, weight, residual=residual,
                                        strict_tags=True))
+
+    def rms_norm_mul_rope_half_prepared(self, position_tag: str, feature_tag: str, weight,
+                                        eps: float, table):
+        """rope(rms_norm(x over feature_tag) · weight, table, "half"): the QK-norm + RoPE step
+        of Qwen3-style attention, with a prepared RopeTable. Runs as the norm kernel then the
+        rotation kernel; differentiable in x and weight."""
+        op = "rms_norm_mul_rope_half_prepared"
+        if not isinstance(table, RopeTable):
+            raise TypeError(f"{op}: expected a prepared RopeTable (ctx.prepare_rope_table), got "
+                            f"{type(table).__name__}")
+        return self.rms_norm_mul(feature_tag, weight, eps).rope(position_tag, feature_tag, table,
+                                                                "half")
 
     def standardize_axis(self, tag: str, *, ddof: int = 0, eps: float = 0.0,
                          eps_mode: str = "outside_sqrt", accumulation: str = "f32",
