@@ -79,4 +79,53 @@ globals().update(_family(GradcheckError, [
 globals().update(_family(ScopeError, [
     "ActiveExecScopeRequired", "ActiveExecScopeUnsupported"], "Exec-scope error."))
 
+
+
+class CheckpointError(FucinaError):
+    """Activation checkpointing (SPEC T-14)."""
+
+
+class TrainerStateError(FucinaError):
+    """trainer_state.json (SPEC T-19)."""
+
+
+class LoraError(FucinaError):
+    """LoRA adapters (SPEC T-20)."""
+
+
+class LlmError(FucinaError):
+    """The Qwen3 trainer, SFT data and the export loop (SPEC T-21…T-23)."""
+
+
+globals().update(_family(CheckpointError, [
+    "NestedCheckpointRecompute", "CheckpointOutputNotDifferentiable",
+    "CheckpointMissingInputGradient"], "Activation-checkpointing error."))
+globals().update(_family(OptimError, [
+    "NotAVariable", "GradShapeMismatch", "CheckpointMagicMismatch", "CheckpointShapeMismatch",
+    "CheckpointConfigMismatch", "CheckpointInvalidName", "CheckpointDuplicateName",
+    "CheckpointUnknownName", "CheckpointMissingEntry", "CheckpointDtypeMismatch",
+    "CheckpointUnsupportedDtype", "CheckpointTooManyEntries"], "Optimizer / checkpoint-file error."))
+
+
+class NonContiguousParam(OptimError, EsError):
+    """A parameter (optimizer or ES slot) must be contiguous."""
+
+
+class DuplicateParam(OptimError, EsError):
+    """The same parameter was registered twice."""
+
+
+globals().update(_family(TrainerStateError, [
+    "InvalidTrainerState", "UnsupportedTrainerStateVersion"], "trainer_state.json error."))
+globals().update(_family(LoraError, ["InvalidRank", "InvalidDropout"], "LoRA error."))
+globals().update(_family(EsError, [
+    "InvalidConfig", "AnchorMissing", "UnsupportedDType", "NoParams", "RewardCountMismatch",
+    "MemberActive", "MemberNotActive", "ReplicaShapeMismatch", "QuantizedWeightsUnsupported"],
+    "Evolution-strategies error."))
+globals().update(_family(LlmError, [
+    "MoeUnsupported", "ExecScopeRequired", "InvalidSequenceLength", "LabelLengthMismatch",
+    "MalformedJsonl", "SampleTooLong", "EmptyDataset", "InvalidLoaderState",
+    "QuantizedSourceUnsupported", "QuantizedBaseUnsupported", "MissingAlpha",
+    "UnknownAdapterName", "MissingLoraB", "OrphanLoraB", "NoAdaptersFound"], "LLM-layer error."))
+
 __all__ = [n for n, v in globals().items() if isinstance(v, type) and issubclass(v, FucinaError)]
