@@ -38,6 +38,20 @@ class no_grad:
         return False
 
 
+class enable_grad:
+    """Grad mode on inside, whatever the caller's no_grad depth; the depth is restored on exit.
+    A checkpoint recompute records its graph even when backward() runs under no_grad."""
+
+    def __enter__(self):
+        self._depth = _mode.disabled
+        _mode.disabled = 0
+        return self
+
+    def __exit__(self, *exc):
+        _mode.disabled = self._depth
+        return False
+
+
 class Node:
     """An op's record: parents, the VJP closure, and the bookkeeping of one backward pass."""
 
@@ -185,12 +199,19 @@ def no_graph(op: str):
     return NoGradientGraph(f"{op}: the tensor has no gradient graph; expected a result of ops on variables")
 
 
-def finish_op(name: str, out, tags, operands, make_vjp, dtypes_ok: bool = False):
+def finish_op(name: str, out, tags, operands, make_vjp, dtypes_ok: bool = False,
+              ignore_mode: bool = False):
     """The tail every differentiable op ends in: (result raw, tags, node or None).
 
     make_vjp(needs) builds the closure g -> per-operand gradients, computing only those in
-    `needs` (needs_grad pruning). Gradients flow only through f32 ops (casts excepted)."""
-    if make_vjp is None or not needs_graph(*operands):
+    `needs` (needs_grad pruning). Gradients flow only through f32 ops (casts excepted).
+    ignore_mode: record whenever an operand requires grad, even under no_grad (the checkpoint
+    node, SPEC §3.19)."""
+    if ignore_mode:
+        wanted = any(getattr(t, "_node", None) is not None for t in operands)
+    else:
+        wanted = needs_graph(*operands)
+    if make_vjp is None or not wanted:
         return out, tags, None
     parents = tuple(getattr(t, "_node", None) for t in operands)
     if not dtypes_ok:
