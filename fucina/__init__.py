@@ -19,7 +19,7 @@ from .ag.context import ExecContext
 from .ag.engine import is_grad_enabled, no_grad
 from .ag.gradcheck import GradcheckResult, gradcheck
 from .ag.masks import band_mask
-from .ag.rope import RopeTable, RopeTheta
+from .ag.rope import RopeTable, RopeTheta, yarn_blend_inv_freqs_f64
 from .ag.tensor import Tensor, custom_vjp, einsum_many
 from .errors import *  # noqa: F401,F403  (the SPEC §0.3 catalogue)
 from .errors import __all__ as _errors
@@ -28,7 +28,7 @@ from .exec.raw import MAX_RANK, LayoutClass
 
 __version__ = "0.1.0"
 __all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_many", "custom_vjp",
-           "band_mask", "RopeTable", "RopeTheta", "LayoutClass", "MAX_RANK", "no_grad", "is_grad_enabled", "gradcheck",
+           "band_mask", "RopeTable", "RopeTheta", "yarn_blend_inv_freqs_f64", "LayoutClass", "MAX_RANK", "no_grad", "is_grad_enabled", "gradcheck",
            "GradcheckResult", *_errors]
 for _family in (_attention, _checkpoint, _conv, _gather_scatter, _selection):
     __all__ += _family.__all__

@@ -292,3 +292,30 @@ def test_dtype_and_scope(ctx):
         assert_bitwise(y.numpy(), want)
         y.sum_all().backward()
         assert_bitwise(x.grad().numpy(), np_rope(np.ones_like(a), t.cos(), -t.sin(), "interleaved", np.float32))
+
+
+def test_inv_freqs_f64_table(ctx):
+    """Angles and sin/cos in f64, each rounded once to f32; the plain schedule agrees with the
+    f32 construction to f32 rounding; a YaRN blend keeps the fast pairs and divides the slow."""
+    D, base = 16, 10000.0
+    plain = fu.yarn_blend_inv_freqs_f64(D, base, 1.0, 0)
+    np.testing.assert_allclose(plain, base ** -(np.arange(0, D, 2) / D), rtol=1e-15)
+    t = ctx.prepare_rope_table_inv_freqs_f64(-3, 7, plain, inverse=True)
+    assert t.positions == tuple(range(-3, 4)) and t.feature_dim == D
+    ang = np.arange(-3, 4, dtype=np.float64)[:, None] * np.asarray(plain)[None, :]
+    assert_bitwise(t.cos(), np.cos(ang).astype(np.float32))
+    assert_bitwise(t.sin(), (-np.sin(ang)).astype(np.float32))
+    f32 = ctx.prepare_rope_table(list(range(-3, 4)), D, base, inverse=True)
+    np.testing.assert_allclose(t.cos(), f32.cos(), atol=2e-6)
+    y = rope(ctx.tensor(np.ones((7, D), np.float32), ("seq", "d")), "seq", "d", t, "half")
+    np.testing.assert_allclose(y.numpy(), np_rope(np.ones((7, D)), t.cos(), t.sin(), "half", np.float32), atol=1e-6)
+    blend = np.asarray(fu.yarn_blend_inv_freqs_f64(64, base, 4.0, 4096))
+    ref = base ** -(np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(blend[:2], ref[:2], rtol=1e-15)       # fast pairs: original
+    np.testing.assert_allclose(blend[-2:], ref[-2:] / 4.0, rtol=1e-15)  # slow pairs: / factor
+    ratio = blend / ref
+    assert np.all(ratio <= 1 + 1e-12) and np.all(ratio >= 0.25 - 1e-12) and np.all(np.diff(ratio) <= 1e-12)
+    with pytest.raises(fu.InvalidShape):
+        ctx.prepare_rope_table_inv_freqs_f64(0, 0, plain)
+    with pytest.raises(fu.InvalidShape):
+        fu.yarn_blend_inv_freqs_f64(15, base, 2.0, 100)

@@ -71,6 +71,11 @@ class ExecContext(Context):
         """The table for positions axis_range.origin .. origin + len (SPEC §3.11)."""
         return rope.prepare_rope_table_range(self, axis_range, feature_dim, theta_base, inverse, freq_factors)
 
+    def prepare_rope_table_inv_freqs_f64(self, pos0, count, inv_freq, inverse=False):
+        """A table for positions pos0 .. pos0 + count - 1 from f64 per-pair inverse frequencies
+        (angles and sin/cos in f64, rounded once to f32); see fu.yarn_blend_inv_freqs_f64."""
+        return rope.prepare_rope_table_inv_freqs_f64(self, pos0, count, inv_freq, inverse)
+
     def classify(self, t):
         """SPEC R-4 layout class of a tensor (or RawTensor)."""
         raw = t._live("classify") if isinstance(t, Tensor) else t

@@ -13,6 +13,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import axes
 from ..errors import ContextMismatch, DTypeError, InvalidShape, ShapeMismatch, TagError
 from ..exec import elementwise as ew
@@ -99,6 +101,56 @@ def prepare_rope_table(ctx, positions, feature_dim, theta_base, inverse=False, f
             raise ShapeMismatch(f"{op}: expected {D // 2} freq_factors (one per pair), got {len(ff)}")
     cs, sn = exr.table(ctx, pos, D, theta, inverse, ff)
     return RopeTable(ctx, pos, D, theta, inverse, cs, sn)
+
+
+def prepare_rope_table_inv_freqs_f64(ctx, pos0, count, inv_freq, inverse=False):
+    """A table for positions pos0 .. pos0 + count - 1 from per-pair inverse frequencies given in
+    f64 (schedules the f32 construction cannot rebuild, e.g. YaRN blends): angle = f64(p) ·
+    inv_freq[i] in f64, sin and cos in f64, each rounded once to f32; sin negated iff inverse.
+    The rotary span is 2·len(inv_freq). Host-side: a table is built once per run."""
+    op = "prepare_rope_table_inv_freqs_f64"
+    for what, v in (("pos0", pos0), ("count", count)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{op}: expected an integer {what}, got {v!r}")
+    if count < 1:
+        raise InvalidShape(f"{op}: expected count >= 1, got {count}")
+    pos = _positions(op, range(int(pos0), int(pos0) + int(count)))
+    freqs = np.asarray([real(op, f) for f in inv_freq], dtype=np.float64)
+    if freqs.size == 0:
+        raise InvalidShape(f"{op}: expected at least one inverse frequency, got none")
+    if not isinstance(inverse, bool):
+        raise TypeError(f"{op}: expected inverse as a bool, got {inverse!r}")
+    angle = np.asarray(pos, dtype=np.float64)[:, None] * freqs[None, :]
+    sn = np.sin(angle).astype(np.float32)
+    cs = np.cos(angle).astype(np.float32)
+    if inverse:
+        sn = -sn
+    shape = (len(pos), freqs.size)
+    return RopeTable(ctx, pos, 2 * freqs.size, 0.0, inverse, ctx.from_numpy(cs, shape, "f32", op),
+                     ctx.from_numpy(sn, shape, "f32", op))
+
+
+def yarn_blend_inv_freqs_f64(dim, base, factor, orig_ctx):
+    """DeepSeek-family YaRN inverse frequencies in f64: the plain schedule base^(-2i/dim),
+    blended toward freq/factor across the correction ramp between 32 and 1 rotations of the
+    original context. factor <= 1 or orig_ctx == 0 gives the plain schedule. (The magnitude
+    correction, mscale, belongs to the attention scale.) Returns a list of floats."""
+    op = "yarn_blend_inv_freqs_f64"
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2 or dim % 2:
+        raise InvalidShape(f"{op}: expected a positive even dim, got {dim!r}")
+    base, factor = real(op, base), real(op, factor)
+    pairs = dim // 2
+    freq = [base ** -((2 * i) / dim) for i in range(pairs)]
+    if factor > 1.0 and orig_ctx > 0:
+        def dim_for(rotations):
+            return dim * math.log(orig_ctx / (rotations * 2.0 * math.pi)) / (2.0 * math.log(base))
+        low = max(math.floor(dim_for(32.0)), 0.0)
+        high = min(math.ceil(dim_for(1.0)), dim - 1.0)
+        for i, f in enumerate(freq):
+            ramp = min(max((i - low) / max(high - low, 0.001), 0.0), 1.0)
+            keep = 1.0 - ramp   # the fast-rotating pairs keep their original frequency
+            freq[i] = (f / factor) * (1.0 - keep) + f * keep
+    return freq
 
 
 def prepare_rope_table_range(ctx, axis_range, feature_dim, theta_base, inverse=False,
