@@ -121,6 +121,49 @@ def render(sections: list[tuple[str, list[dict]]], info: dict) -> str:
     return "\n".join(lines)
 
 
+def _split(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(preamble, [(section name, section text)]) of a rendered file."""
+    parts = text.split("\n## ")
+    return parts[0], [(p.split("\n", 1)[0], "## " + p) for p in parts[1:]]
+
+
+def merge(old: str, sections, date: str) -> str:
+    """The old file with the re-measured sections replaced (new ones appended), the date of each
+    re-measurement noted in its heading, and the met/missed totals recounted over all tables."""
+    head, olds = _split(old)
+    fresh = {name: f"## {name} (re-measured {date})\n\n{c.table(rs)}\n" for name, rs in sections
+             if name.startswith("bench_")}
+    out, seen = [], set()
+    for name, body in olds:
+        key = name.split(" (re-measured")[0]
+        if key in fresh:
+            out.append(fresh[key])
+            seen.add(key)
+        else:
+            out.append(body.rstrip("\n") + "\n")
+    out += [body for name, body in fresh.items() if name not in seen]
+    met = missed = parity = 0
+    missed_lines = []
+    for body in out:
+        for line in body.splitlines():
+            cells = [x.strip() for x in line.strip("|").split(" | ")]
+            if len(cells) < 9 or cells[0] in ("group", "---"):
+                continue
+            if cells[7] == "met":
+                met += 1
+            elif cells[7].startswith("missed, ≈ parity"):
+                parity += 1
+            elif cells[7] == "**missed**":
+                missed += 1
+                missed_lines.append(f"- missed: {cells[0]} — {cells[1]} ({cells[2]} thr)")
+    lines = head.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("**") and "targets met" in ln)
+    keep = lines[:start]
+    keep += [f"**{met} targets met, {missed} missed, {parity} missed only by a PyTorch comparison "
+             f"within 2 % (parity)**.", "", *missed_lines, ""]
+    return "\n".join(keep) + "\n" + "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer repeats, no file written "
@@ -128,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", choices=MODULES, help="run only these modules")
     ap.add_argument("--out", help="output file (default BENCHMARKS.md at the repo root; "
                                   "--quick prints only)")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --only: replace just these modules' sections of the existing file "
+                         "(the others keep their rows and dates; the totals are recounted)")
     args = ap.parse_args(argv)
     t0 = time.time()
     info = {"quick": args.quick, "load_start": _loadavg(),
@@ -163,6 +209,8 @@ def main(argv=None) -> int:
     text = render(sections, info)
     print(text)
     out = args.out or (None if args.quick else str(ROOT / "BENCHMARKS.md"))
+    if out and args.merge and Path(out).exists():
+        text = merge(Path(out).read_text(encoding="utf-8"), sections, info["date"])
     if out:
         Path(out).write_text(text + "\n", encoding="utf-8")
         print(f"benchmarks: wrote {out}", file=sys.stderr)
