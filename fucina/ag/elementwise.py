@@ -12,12 +12,13 @@ from .. import axes
 from ..exec import elementwise as ew
 from ..exec import reduce as red
 from ..errors import ContextMismatch, DTypeError, GradientCastUnsupported
-from ..exec.dtypes import check as check_dtype
+from ..exec.dtypes import BLOCKS, check as check_dtype
 from ..exec.raw import RawTensor
 from ..runtime import _rt
 from . import engine
 from .checks import real
 from .engine import finish_op, needs_graph
+from .typed import block_cast
 
 
 def unbroadcast(ctx, g, out_tags, in_tags, in_shape):
@@ -284,5 +285,7 @@ class ElementwiseMethods:
     def to(self, dtype: str):
         """A copy in `dtype` (SPEC R-10): any pair of f32/f16/bf16/i64/bool; f32 <-> f16/bf16
         and f32 -> f32 are differentiable."""
-        self._live("to")
+        r = self._live("to")
+        if dtype in BLOCKS or r.dtype in BLOCKS:  # quantize / dequantize (SPEC R-9)
+            return block_cast(self, dtype)
         return self._result(*cast(self, check_dtype(dtype, "to")))

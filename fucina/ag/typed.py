@@ -22,9 +22,12 @@ import numpy as np
 
 from ..codegen import kernels
 from ..codegen.typed import ZeroScanKey
-from ..errors import DivisionByZero, DTypeError
+from ..errors import DivisionByZero, DTypeError, GradientCastUnsupported
 from ..exec import elementwise as ew
+from ..exec import quant as xq
+from ..exec.dtypes import BLOCKS, FLOATS
 from ..exec.raw import RawTensor
+from .engine import needs_graph
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -44,6 +47,27 @@ def any_zero(raw: RawTensor) -> bool:
     ctx.launch(kernels.get(ZeroScanKey(raw.dtype)), chunks, n * raw.lay.itemsize,
                raw.addr, n, ew.CHUNK, flags.ctypes.data)
     return bool(flags.any())
+
+
+def block_cast(x, dtype: str):
+    """to() when either side is a block-quantized dtype (SPEC R-9, R-10): f32/f16/bf16 -> block
+    quantizes (byte-exact to ggml), block -> f32 dequantizes. Never differentiable: a tensor
+    that requires grad raises GradientCastUnsupported; quantized tensors never carry grad."""
+    r = x._raw
+    src = r.dtype
+    if src in BLOCKS:
+        if dtype != "f32":
+            raise DTypeError(f"to: a {src} tensor converts only to 'f32' (dequantize), got {dtype!r}")
+        return x._result(xq.decode(r.ctx, r), x.tags)
+    if src not in FLOATS:
+        raise DTypeError(f"to: quantizing to {dtype} expects an f32/f16/bf16 tensor, got {src}")
+    if needs_graph(x):
+        raise GradientCastUnsupported(
+            f"to: quantizing ({src} -> {dtype}) is not differentiable, got a tensor that requires "
+            f"grad; expected .detach() or fu.no_grad() (quantized tensors never carry gradients)")
+    xq.check_shape("to", dtype, r.shape)
+    f = ew.cast(r.ctx, r, "f32") if src != "f32" or not r.is_contiguous() else r
+    return x._result(xq.encode(r.ctx, f, dtype), x.tags)
 
 
 def _check_int_scalar(op: str, other) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codegen.quant import FORMATS
 from ..errors import DTypeError
 
 DTYPES = ("f32", "f16", "bf16", "i64", "bool")
@@ -10,6 +11,9 @@ NUMPY = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dt
          "i64": np.dtype(np.int64), "bool": np.dtype(np.bool_)}
 ITEMSIZE = {k: v.itemsize for k, v in NUMPY.items()}
 FLOATS = ("f32", "f16", "bf16")
+# block-quantized dtypes (SPEC R-9): name -> (elements per block, bytes per block); a block
+# spans the innermost axis, so their storage is sized by blocks, not by elements
+BLOCKS = FORMATS
 
 
 def check(dtype, op: str = "dtype") -> str:

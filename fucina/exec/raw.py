@@ -10,7 +10,7 @@ import enum
 import numpy as np
 
 from ..errors import InvalidShape, ShapeMismatch
-from .dtypes import ITEMSIZE, NUMPY, bf16_bits_to_f32
+from .dtypes import BLOCKS, ITEMSIZE, NUMPY, bf16_bits_to_f32
 
 MAX_RANK = 8
 
@@ -46,8 +46,13 @@ class Layout:
     def __init__(self, dtype, shape, strides):
         self.dtype, self.shape, self.strides = dtype, shape, strides
         self.numel = numel(shape)
-        self.itemsize = ITEMSIZE[dtype]
-        self.nbytes = self.numel * self.itemsize
+        block = BLOCKS.get(dtype)
+        if block is None:
+            self.itemsize = ITEMSIZE[dtype]
+            self.nbytes = self.numel * self.itemsize
+        else:  # block-quantized: whole blocks along the innermost axis (fucina.exec.quant)
+            self.itemsize = 0
+            self.nbytes = self.numel // block[0] * block[1]
         self.contiguous = all(s == c or d == 1 for d, s, c in
                               zip(shape, strides, contiguous_strides(shape)))
 

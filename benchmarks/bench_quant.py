@@ -1,0 +1,126 @@
+"""Block-quantized formats: dequantization throughput vs PyTorch (same process, interleaved).
+
+    python -m benchmarks.bench_quant [--quick]
+
+The matrix is a Qwen3-0.6B MLP weight, [3072, 1024]. Fucina's `q.to("f32")` runs the generated
+decoder; PyTorch has no ggml block formats, so its competitor is the same dequantization written
+as PyTorch tensor ops on the raw block bytes (the way a torch user dequantizes a GGUF weight).
+Each row reports GB/s of (block bytes read + f32 bytes written). Target: at least as fast as
+the PyTorch composition. The encoders (ggml's reference quantizers) are shown for information.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import common as c
+
+GROUP = "quantization"
+SHAPE = (3072, 1024)
+
+
+def torch_dequant(torch, fmt: str):
+    """ggml's dequantize_row_* for one format as PyTorch ops on a uint8 [blocks, bytes] tensor."""
+    def half(raw, a):
+        return raw[:, a:a + 2].contiguous().view(torch.float16).float()
+
+    def q8_0(raw):
+        return half(raw, 0) * raw[:, 2:].contiguous().view(torch.int8).float()
+
+    def q4_0(raw):
+        qs = raw[:, 2:].int()
+        return half(raw, 0) * (torch.cat([qs & 15, qs >> 4], 1) - 8).float()
+
+    def q4_k(raw):
+        n = raw.shape[0]
+        q = raw[:, 4:16].int()
+        sc = torch.cat([q[:, :4] & 63, (q[:, 8:] & 15) | ((q[:, :4] >> 6) << 4)], 1)
+        mn = torch.cat([q[:, 4:8] & 63, (q[:, 8:] >> 4) | ((q[:, 4:8] >> 6) << 4)], 1)
+        qs = raw[:, 16:].reshape(n, 4, 1, 32).int()
+        v = torch.cat([qs & 15, qs >> 4], 2).reshape(n, 8, 32).float()
+        d = (half(raw, 0) * sc.float()).unsqueeze(2)
+        m = (half(raw, 2) * mn.float()).unsqueeze(2)
+        return (d * v - m).reshape(n, 256)
+
+    def q6_k(raw):
+        n = raw.shape[0]
+        ql = raw[:, :128].reshape(n, 2, 2, 32).int()
+        qh = raw[:, 128:192].reshape(n, 2, 1, 32).int()
+        low = torch.cat([ql & 15, ql >> 4], 2)                              # [n, 2, 4, 32]
+        high = (qh >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3
+        q = (low | (high << 4)) - 32
+        sc = raw[:, 192:208].contiguous().view(torch.int8).float().reshape(n, 2, 4, 2, 1)
+        d = half(raw, 208).reshape(n, 1, 1, 1, 1)
+        return ((d * sc) * q.reshape(n, 2, 4, 2, 16).float()).reshape(n, 256)
+
+    def tq2_0(raw):
+        n = raw.shape[0]
+        qs = raw[:, :64].reshape(n, 2, 1, 32).int()
+        c = (qs >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3
+        return ((c - 1).float() * half(raw, 64).reshape(n, 1, 1, 1)).reshape(n, 256)
+
+    return {"q8_0": q8_0, "q4_0": q4_0, "q4_k": q4_k, "q6_k": q6_k, "tq2_0": tq2_0}[fmt]
+
+
+def _one(threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
+    from fucina.codegen.quant import FORMATS
+    from fucina.exec import quant as xq
+
+    torch = c.torch()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(SHAPE).astype(np.float32)
+    ctx = fu.ExecContext(threads=threads)
+    out = []
+    try:
+        for fmt in ("q8_0", "q4_0", "q4_k", "q6_k", "tq2_0"):
+            if fmt in xq.ENCODABLE:
+                q = ctx.tensor(a, ("o", "i")).to(fmt)
+            else:
+                import libgguf
+                from gguf import GGMLQuantizationType as GT
+
+                raw = libgguf.quantize_rows(a, int(GT[fmt.upper()]))
+                q = fu.Tensor(xq.from_bytes(ctx, raw.tobytes(), SHAPE, fmt), ("o", "i"))
+            bs, bb = FORMATS[fmt]
+            env = {"q": q}
+            stmts = {"fucina": "q.to('f32')"}
+            if torch is not None:
+                raw = torch.from_numpy(q.data_const().reshape(-1, bb).copy())
+                fn = torch_dequant(torch, fmt)
+                want = fn(raw).reshape(SHAPE).numpy()
+                if not np.array_equal(q.to("f32").numpy(), want):
+                    raise AssertionError(f"{fmt}: Fucina and the PyTorch dequantization disagree")
+                env.update(fn=fn, raw=raw)
+                stmts["torch"] = "fn(raw)"
+            t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                                 repeats=5 if quick else 11, block_s=0.03 if quick else 0.1)
+            nbytes = q.numel // bs * bb + q.numel * 4
+            to_s = t["torch"].median if "torch" in t else None
+            met = None if to_s is None else t["fucina"].median <= to_s
+            r = c.row(GROUP, f"dequantize {fmt} → f32 {list(SHAPE)}", threads, t["fucina"].median,
+                      to_s, target="≥ PyTorch ops", met=met,
+                      note=f"{nbytes / t['fucina'].median / 1e9:.1f} GB/s (blocks read + f32 "
+                           f"written); torch = the same decode as torch tensor ops; {load}")
+            r["parity"] = met is False and to_s / t["fucina"].median >= c.PARITY
+            out.append(r)
+        x = ctx.tensor(a, ("o", "i"))
+        for fmt in xq.ENCODABLE:
+            t, load = c.measured({"fucina": f"x.to('{fmt}')"}, env={"x": x}, threads=threads,
+                                 quick=quick, repeats=3 if quick else 5, block_s=0.03 if quick else 0.1)
+            out.append(c.row(GROUP, f"quantize f32 → {fmt} (ggml byte-exact) {list(SHAPE)}", threads,
+                             t["fucina"].median, None,
+                             note=f"{a.size / t['fucina'].median / 1e6:.0f} M elements/s; {load}"))
+    finally:
+        ctx.close()
+    return out
+
+
+def rows(quick: bool = False) -> list[dict]:
+    out = []
+    for k in c.thread_counts():
+        out += c.guarded(GROUP, "quant", lambda: _one(k, quick))
+    return out
+
+
+if __name__ == "__main__":
+    c.main(rows)
