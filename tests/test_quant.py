@@ -232,7 +232,8 @@ def test_other_ops_refused(ctx1):
            lambda: q.softmax("c"), lambda: q.layer_norm("c", 1e-5), lambda: q.rms_norm("c", 1e-6),
            lambda: q.narrow("r", 0, 2), lambda: q.clamp(-1.0, 1.0), lambda: q.cumsum("c"),
            lambda: q.cross_entropy("c", [0, 1, 2, 3]), lambda: q.dropout(0.1, seed=1),
-           lambda: y.where(y.compare("lt", 0.0), q), lambda: q.matmul(y, "trans_b", ("m", "n"))]
+           lambda: y.where(y.compare("lt", 0.0), q), lambda: q.matmul(y, "trans_b", ("m", "n")),
+           lambda: q.compare("lt", 0.0)]
     for op in ops:
         with pytest.raises(fu.DTypeError, match="q8_0"):
             op()

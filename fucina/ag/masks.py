@@ -121,6 +121,9 @@ def compare(x, op: str, other):
         raise ValueError(f"compare: expected op in {COMPARE_OPS}, got {op!r}")
     a = x._raw
     ctx = a.ctx
+    if a.dtype not in FLOATS and a.dtype not in _INT_RANGE:
+        raise DTypeError(f"compare: expected a float, integer or bool tensor, got {a.dtype} "
+                         f"(dequantize block types with .to('f32') first)")
     if isinstance(other, type(x)):
         _same_layout("compare", x, other)
         b = other._raw
