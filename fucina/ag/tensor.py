@@ -25,6 +25,7 @@ from .loss import LossMethods
 from .masks import MaskMethods
 from .matmul import MatmulMethods
 from .norm import NormMethods
+from .quant import QuantMethods
 from .reduce import ReduceMethods
 from .rng import RngMethods
 from .rope import RopeMethods
@@ -37,7 +38,7 @@ from .typed import TypedMethods
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
              ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods, RngMethods,
              SoftmaxMethods, NormMethods, RopeMethods, AttentionMethods, ConvMethods,
-             SelectionMethods, GatherScatterMethods):
+             SelectionMethods, GatherScatterMethods, QuantMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in
