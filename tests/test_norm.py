@@ -302,3 +302,65 @@ def test_rms_norm_mul_rope_half_prepared(ctx):
     with pytest.raises(TypeError, match="prepared RopeTable"):
         ctx.tensor(x, ("seq", "head", "d")).rms_norm_mul_rope_half_prepared(
             "seq", "d", ctx.tensor(w, ("d",)), 1e-6, fu.RopeTheta(positions, 10000.0))
+
+
+@pytest.mark.parametrize("channel_first", [False, True])
+@pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
+def test_group_norm_against_torch(ctx, channel_first, affine):
+    T, C, G = 13, 12, 3
+    x = rand((T, C), 2.0, 0.5)
+    w, b = rand((C,), 0.5, 1.0), rand((C,))
+    arrays, tags = [x.T.copy() if channel_first else x], [("c", "t") if channel_first else ("t", "c")]
+    if affine in ("weight", "both"):
+        arrays.append(w), tags.append(("c",))
+    if affine in ("bias", "both"):
+        arrays.append(b), tags.append(("c",))
+
+    def fu_fn(a, *ps):
+        kw = {}
+        if affine in ("weight", "both"):
+            kw["weight"] = ps[0]
+        if affine in ("bias", "both"):
+            kw["bias"] = ps[-1]
+        return a.group_norm("c", G, 1e-5, **kw)
+
+    def torch_fn(a, *ps):
+        tw = ps[0] if affine in ("weight", "both") else None
+        tb = ps[-1] if affine in ("bias", "both") else None
+        xc = a if channel_first else a.T          # [C, T]
+        y = F.group_norm(xc[None], G, None, None, 1e-5)[0]
+        if tw is not None:
+            y = y * tw[:, None]
+        if tb is not None:
+            y = y + tb[:, None]
+        return y if channel_first else y.T
+
+    run_both(ctx, arrays, tags, fu_fn, torch_fn, atol=2e-5, rtol=2e-5)
+
+
+def test_l2_normalize_and_snake(ctx):
+    x = rand((5, 8))
+    with ctx.exec_scope():
+        run_both(ctx, [x], [("t", "c")], lambda a: a.l2_normalize("c", 1e-6),
+                 lambda a: a * torch.rsqrt((a * a).sum(-1, keepdim=True) + 1e-6))
+    alpha, inv_b = rand((8,), 0.3, 1.0), rand((8,), 0.2, 0.5)
+    run_both(ctx, [x, alpha, inv_b], [("t", "c"), ("c",), ("c",)],
+             lambda a, al, ib: a.snake("c", al, ib),
+             lambda a, al, ib: a + ib * torch.sin(al * a) ** 2)
+    v = ctx.variable(x, ("t", "c"))
+    with pytest.raises(fu.ActiveExecScopeRequired, match="l2_normalize"):
+        v.l2_normalize("c", 1e-6)
+    with fu.no_grad():
+        v.l2_normalize("c", 1e-6)
+
+
+def test_group_norm_gradcheck_and_errors(ctx1):
+    x = ctx1.variable(rand((6, 4), 1.0, 0.3), ("t", "c"))
+    fu.gradcheck(lambda a: (a.group_norm("c", 2, 1e-5) * a).sum_all(), [x], eps=1e-2,
+                 abs_tol=2e-3, rel_tol=2e-2)
+    with pytest.raises(fu.InvalidShape, match="equal groups"):
+        x.group_norm("c", 3, 1e-5)
+    with pytest.raises(fu.InvalidShape, match="rank-2"):
+        ctx1.tensor(rand((2, 3, 4)), ("a", "t", "c")).group_norm("c", 2, 1e-5)
+    with pytest.raises(fu.TagError):
+        x.group_norm("c", 2, 1e-5, weight=ctx1.tensor(rand((4,)), ("d",)))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numbers
 
-from ..errors import ContextMismatch
+from ..errors import ActiveExecScopeRequired, ContextMismatch
+from .engine import needs_graph
 
 
 def same_ctx(op: str, x, y) -> None:
@@ -19,3 +20,13 @@ def real(op: str, s) -> float:
     if isinstance(s, bool) or not isinstance(s, numbers.Real):
         raise TypeError(f"{op}: expected a real number, got {type(s).__name__}")
     return float(s)
+
+
+def require_scope(name: str, *operands) -> None:
+    """SPEC §3.0: a composed op under gradients needs an open exec scope (its intermediates
+    would otherwise outlive the step)."""
+    ctx = operands[0]._raw.ctx
+    if needs_graph(*operands) and not ctx.scopes:
+        raise ActiveExecScopeRequired(
+            f"{name}: a composed op under gradients needs an open exec scope; "
+            f"expected `with ctx.exec_scope():` around it")

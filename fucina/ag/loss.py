@@ -13,7 +13,7 @@ from ..errors import (DTypeError, IndexOutOfBounds, InvalidDataLength, InvalidSh
 from ..exec import elementwise as ew
 from ..exec import loss as exl
 from ..exec import reduce as red
-from .checks import same_ctx
+from .checks import require_scope, same_ctx
 from .engine import finish_op
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -277,17 +277,6 @@ def _delta(delta) -> float:
 # ---------------------------------------------------------------------------------------------
 # L-5 composed losses (need an exec scope under gradients, SPEC §3.0)
 
-def _require_scope(name: str, *operands) -> None:
-    from ..errors import ActiveExecScopeRequired
-    from .engine import needs_graph
-
-    ctx = operands[0]._raw.ctx
-    if needs_graph(*operands) and not ctx.scopes:
-        raise ActiveExecScopeRequired(
-            f"{name}: a composed op under gradients needs an open exec scope; "
-            "expected `with ctx.exec_scope():` around it")
-
-
 def _onehot(x, class_tag: str, labels):
     """f32 one-hot in x's own tag order; labels one per position (x minus class_tag, row-major)."""
     r = x._raw
@@ -364,7 +353,7 @@ class LossMethods:
         reduction = _reduction("nll_loss", reduction)
         self._live("nll_loss")
         oh, R = _onehot(self, class_tag, labels)
-        _require_scope("nll_loss", self)
+        require_scope("nll_loss", self)
         ctx = self._raw.ctx
         picked = (self * ctx.tensor(oh, self.tags)).sum(class_tag)
         per = -picked
@@ -376,7 +365,7 @@ class LossMethods:
         """Σxy / max(‖x‖·‖y‖, eps) over `tag` (removed); grads to both; composed."""
         self._live("cosine_similarity")
         other._live("cosine_similarity")
-        _require_scope("cosine_similarity", self, other)
+        require_scope("cosine_similarity", self, other)
         num = (self * other).sum(tag)
         den = (self.norm(tag, "l2") * other.norm(tag, "l2")).clamp_min(float(eps))
         return num / den

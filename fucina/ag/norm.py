@@ -15,7 +15,7 @@ from .. import axes
 from ..errors import DTypeError, InvalidShape, ShapeMismatch, TagError
 from ..exec import elementwise as ew
 from ..exec import norm as exn
-from .checks import real, same_ctx
+from .checks import real, require_scope, same_ctx
 from .engine import finish_op
 from .rope import RopeTable
 from .softmax import from_rows, rows_of, to_rows
@@ -86,6 +86,48 @@ def _grads(saved, needs, g):
             dw if needs[1] else None, db if needs[2] else None, gres)
 
 
+def group_norm(x, channel_tag, groups, eps):
+    """The normalization half of group_norm: [time, channel] (either axis order), channels
+    split into `groups` consecutive groups, each standardized over time × C/groups with f64
+    sums (mean, biased variance, eps inside the sqrt). Rows of the kernel = groups."""
+    op = "group_norm"
+    r = x._live(op)
+    ctx = r.ctx
+    if r.rank != 2:
+        raise InvalidShape(f"{op}: expected a rank-2 [time, channel] tensor, got shape {r.shape}")
+    cax = axes.axis_of(x.tags, channel_tag, op)
+    _f32(op, "tensor", r)
+    if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 1:
+        raise InvalidShape(f"{op}: expected groups an int >= 1, got {groups!r}")
+    C, T = r.shape[cax], r.shape[1 - cax]
+    G = int(groups)
+    if C % G:
+        raise InvalidShape(f"{op}: {C} channels do not split into {G} equal groups")
+    Cg = C // G
+    tc = r.permute((1 - cax, cax))                     # [T, C]
+    sT, sC = tc.strides
+    spec = exn.NormSpec(center=True, eps=_eps(op, eps), eps_mode="inside", acc="f64")
+
+    def grouped_rows(v):                               # [T, C] view -> rows [G, T·Cg]
+        g3 = v.view((G, T, Cg), (Cg * v.strides[1], v.strides[0], v.strides[1]))
+        return ew.materialize(ctx, g3).view((G, T * Cg), (T * Cg, 1))
+
+    def ungrouped(rows):                               # rows [G, T·Cg] -> x's layout
+        tgc = rows.view((T, G, Cg), (Cg, T * Cg, 1))
+        out = ew.materialize(ctx, tgc).view((T, C), (C, 1))
+        return out if cax == 1 else ew.materialize(ctx, out.permute((1, 0)))
+
+    rows = grouped_rows(tc)
+    y, stats = exn.forward(ctx, spec, rows)
+
+    def grads(g):
+        gv = g.permute((1 - cax, cax))
+        dx, _, _ = exn.backward(ctx, spec, rows, grouped_rows(gv), stats)
+        return (ungrouped(dx),)
+
+    return finish_op(op, ungrouped(y), x.tags, (x,), lambda needs: grads)
+
+
 def _eps(op, eps) -> float:
     return real(op, eps)
 
@@ -138,6 +180,40 @@ class NormMethods:
                             f"{type(table).__name__}")
         return self.rms_norm_mul(feature_tag, weight, eps).rope(position_tag, feature_tag, table,
                                                                 "half")
+
+    def group_norm(self, channel_tag: str, groups: int, eps: float, weight=None, bias=None):
+        """[time, channel]: each of `groups` consecutive channel groups standardized over time
+        × C/groups (f64 sums, biased variance, eps inside the sqrt), then · weight[c] and
+        + bias[c] when given (each optional, tagged (channel_tag,)). torch: F.group_norm on
+        the channel-first transpose."""
+        y = self._result(*group_norm(self, channel_tag, groups, eps))
+        K = y.shape[y.tags.index(channel_tag)]
+        for what, p in (("weight", weight), ("bias", bias)):
+            if p is not None:
+                _param("group_norm", what, self, p, channel_tag, K, True)
+        if weight is not None:
+            y = y * weight
+        return y if bias is None else y + bias
+
+    def l2_normalize(self, tag: str, eps: float):
+        """x · rsqrt(Σ_tag x² + eps) (eps added to the squared norm; differs from F.normalize's
+        x / max(‖x‖, eps)). Composed: needs an exec scope under gradients."""
+        op = "l2_normalize"
+        require_scope(op, self)
+        eps = _eps(op, eps)
+        return self * (self * self).sum(tag).add_scalar(eps).unary("rsqrt")
+
+    def snake(self, channel_tag: str, alpha, inv_b):
+        """x + inv_b[c] · sin(alpha[c] · x)² over [time, channel] (the Snake activation);
+        alpha and inv_b tagged (channel_tag,); differentiable in all three."""
+        op = "snake"
+        K = self.shape[axes.axis_of(self.tags, channel_tag, op)]
+        for what, p in (("alpha", alpha), ("inv_b", inv_b)):
+            if p is None:
+                raise TypeError(f"{op}: expected {what} as a tensor, got None")
+            _param(op, what, self, p, channel_tag, K, True)
+        s = (self * alpha).unary("sin")
+        return self + inv_b * (s * s)
 
     def standardize_axis(self, tag: str, *, ddof: int = 0, eps: float = 0.0,
                          eps_mode: str = "outside_sqrt", accumulation: str = "f32",

@@ -19,14 +19,15 @@ import numbers
 import numpy as np
 
 from .. import axes
-from ..errors import ActiveExecScopeRequired, DTypeError, ShapeMismatch, TagError
+from ..errors import DTypeError, ShapeMismatch, TagError
 from ..exec import elementwise as ew
 from ..exec import reduce as red
 from ..exec import scan as sc
 from ..exec.raw import contiguous_strides
-from .checks import real, same_ctx
+from .checks import real, require_scope, same_ctx
+from .checks import require_scope as _require_scope  # noqa: F401  (the old name, still imported)
 from .elementwise import unbroadcast
-from .engine import finish_op, needs_graph
+from .engine import finish_op
 
 _Z, _ONE = "#00000000", "#3f800000"
 # g * sign(x) (sign(0) = sign(NaN) = 0): inputs g, x
@@ -83,14 +84,6 @@ def _typed_op(op: str, dtype: str, name: str) -> str:
                          + ("; sum/sum_all count a bool mask" if dtype == "bool" else
                             "; integer tensors have sum/sum_all only"))
     return op
-
-
-def _require_scope(name, *operands):
-    ctx = operands[0]._raw.ctx
-    if needs_graph(*operands) and not ctx.scopes:
-        raise ActiveExecScopeRequired(
-            f"{name}: a composed op under gradients needs an open exec scope; "
-            f"expected `with ctx.exec_scope():` around it")
 
 
 def _empty_value(name, empty, dtype):
@@ -259,7 +252,7 @@ def norm(x, axis: int | None, tags, order):
     r = x._raw
     ctx = r.ctx
     _typed_op("norm", r.dtype, name)
-    _require_scope(name, x)
+    require_scope(name, x)
     op, pre, post = NORM_KERNELS[kind]
     shape = r.shape
     if axis is None:  # every element: a flat view, and the result broadcasts back over all
