@@ -32,5 +32,5 @@ __all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_man
            "GradcheckResult", *_errors]
 for _family in (_attention, _checkpoint, _conv, _gather_scatter, _selection):
     __all__ += _family.__all__
-from . import gguf, io, optim  # noqa: E402  (the training layer sits on everything above)
-__all__ += ["gguf", "io", "optim"]
+from . import es, gguf, io, optim  # noqa: E402  (the training layer sits on everything above)
+__all__ += ["es", "gguf", "io", "optim"]

@@ -129,12 +129,19 @@ class ParamRegistry:
     def names(self) -> list:
         return [e.name for e in self._entries]
 
+    def _entry(self, op: str, i: int):
+        if not (isinstance(i, int) and 0 <= i < len(self._entries)):
+            raise IndexOutOfBounds(f"ParamRegistry.{op}: expected an index in [0, "
+                                   f"{len(self._entries)}), got {i!r}")
+        return self._entries[i]
+
+    def tensor(self, i: int):
+        """The Tensor of entry i (its context runs the kernels of gradient-free consumers)."""
+        return self._entry("tensor", i).tensor
+
     def view(self, i: int) -> ParamView:
         """Entry i in registration order (the seam gradient-free consumers such as ES use)."""
-        if not (isinstance(i, int) and 0 <= i < len(self._entries)):
-            raise IndexOutOfBounds(f"ParamRegistry.view: expected an index in [0, "
-                                   f"{len(self._entries)}), got {i!r}")
-        e = self._entries[i]
+        e = self._entry("view", i)
         a = storage(e.tensor, sd.DTYPES, "ParamRegistry.view", f"param {e.name!r}")
         return ParamView(e.name, e.tensor.dtype, a.shape, byte_view(a), e.trainable)
 

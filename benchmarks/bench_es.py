@@ -1,0 +1,200 @@
+"""Evolution-strategies benchmarks (SPEC T-25, D-2).
+
+    python -m benchmarks.bench_es [--quick]
+
+* Noise regeneration, in values per second (the comparator column holds numpy):
+  - materialize: one member of a 4 Mi-element f32 slot written into a replica (RNG-7 noise,
+    scaled, added to θ, stored) against numpy's normal generator filling a preallocated 4 Mi
+    float32 buffer (`Generator.standard_normal(out=..., dtype=float32)`, PCG64 + ziggurat, one
+    thread at any thread count: it only generates, it does not add);
+  - update: the ES update of a 256 Ki-element slot from 16 streams (4 Mi noise values
+    regenerated and accumulated) against numpy generating the same 4 Mi values.
+* One es-spirals iteration at population 128 (antithetic, 4482 parameters, 194 points):
+  evaluate every member on replicas — 4 blocks of 32 stacked MLP copies, each filled by
+  `materialize_members` and scored by one batched forward — then `update`. PyTorch runs the
+  same loop: per block, each member's noise drawn per parameter from a `torch.Generator`
+  seeded with that (member, parameter)'s stream seed (the reference ES library's reseeding
+  scheme) and added into the stacked replicas, the same batched forward (baddbmm — twice as
+  fast as einsum here —, tanh, cross_entropy), then the update regenerating each stream's
+  noise the same way.
+  At 2 threads Fucina runs both member-parallel setups of the demo: "team" (one worker whose
+  kernels split on the 2-thread C team) and "threads" (2 Python-thread workers on 1-thread
+  contexts, overlapping where kernels release the GIL); PyTorch uses 2 intra-op threads.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import common as c
+from .common import row
+
+GROUP = "es"
+MiB = 1 << 20
+SLOT = 4 * MiB          # materialize: elements of the slot
+UPD_SLOT, UPD_STREAMS = 256 * 1024, 16
+
+
+def _noise(threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
+    from fucina import es
+
+    ctx = fu.ExecContext(threads=threads)
+    gen = np.random.default_rng(3)
+    try:
+        theta = ctx.tensor(gen.standard_normal(SLOT).astype(np.float32), ("n",))
+        replica = ctx.zeros((SLOT,), ("n",))
+        tr = es.Trainer(sigma=0.01, population=2, seed=1)
+        tr.add_param(theta)
+        slot = ctx.tensor(np.zeros(UPD_SLOT, np.float32), ("n",))
+        tr_up = es.Trainer(sigma=0.01, population=UPD_STREAMS, seed=2)
+        tr_up.add_param(slot)
+        rewards = list(gen.standard_normal(UPD_STREAMS))
+        buf = np.empty(SLOT, np.float32)
+        env = {"tr": tr, "replica": [replica], "tr_up": tr_up, "rewards": rewards, "gen": gen,
+               "buf": buf, "np": np}
+        stmts = {"materialize": "tr.materialize_member(1, replica)",
+                 "update": "tr_up.update(rewards)",
+                 "numpy": "gen.standard_normal(out=buf, dtype=np.float32)"}
+        t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                             repeats=3 if quick else 7, block_s=0.05 if quick else 0.15)
+        env.clear()
+        del theta, replica, slot, tr, tr_up
+    finally:
+        ctx.close()
+    values = SLOT  # numpy generates SLOT values per call; the update regenerates the same count
+    np_rate = values / t["numpy"].median
+    out = []
+    for key, what in (("materialize", "noise regeneration: materialize_member, 4 Mi f32 slot "
+                                      "(RNG-7 + scale + add, replica written) vs numpy "
+                                      "standard_normal 4 Mi f32"),
+                      ("update", f"noise regeneration: update, {UPD_SLOT // 1024} Ki f32 slot x "
+                                 f"{UPD_STREAMS} streams (4 Mi values regenerated + accumulated) "
+                                 f"vs numpy standard_normal 4 Mi f32")):
+        med = t[key].median
+        rate = values / med
+        out.append(row(GROUP, what, threads, round(rate / 1e9, 3), round(np_rate / 1e9, 3),
+                       unit="Gvalues/s", ratio=rate / np_rate, target="≥ numpy",
+                       met=rate >= np_rate,
+                       note=f"median {c.fmt_time(med)} per call vs numpy {c.fmt_time(t['numpy'].median)} "
+                            f"(numpy: one thread, PCG64 + ziggurat, generation only); "
+                            f"comparator column = numpy; {load}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# one es-spirals iteration
+
+POP, BLOCK = 128, 32
+
+
+class _TorchLoop:
+    """The es-spirals iteration written with torch: same blocks, same seeds per (member,
+    parameter), torch's own generator for the noise."""
+
+    def __init__(self, xs, labels, params, trainer):
+        import torch
+
+        self.torch = torch
+        self.tr = trainer  # only for the seed derivations (pure functions of seed/iteration)
+        self.xg = torch.from_numpy(xs).expand(BLOCK, -1, -1)
+        self.labels = torch.from_numpy(labels).repeat(BLOCK)
+        self.theta = [torch.from_numpy(p.copy()) for p in params]
+        self.stack = [torch.zeros((BLOCK,) + p.shape) for p in params]
+        self.sigma, self.alpha = 0.1, 0.1
+        self.iteration = 0
+        self.gen = torch.Generator()
+
+    def _eps(self, member_seed: int, k: int, shape):
+        self.gen.manual_seed(self.tr.slot_stream_seed(member_seed, k) & ((1 << 63) - 1))
+        return self.torch.randn(shape, generator=self.gen)
+
+    def _member_seed(self, m: int) -> int:
+        self.tr.iteration = self.iteration
+        return self.tr.member_seed(m & ~1)
+
+    def step(self):
+        torch = self.torch
+        F = torch.nn.functional
+        rewards = torch.empty(POP)
+        with torch.no_grad():
+            for b0 in range(0, POP, BLOCK):
+                for g in range(BLOCK):
+                    m = b0 + g
+                    ms, sign = self._member_seed(m), -1.0 if m & 1 else 1.0
+                    for k, (th, st) in enumerate(zip(self.theta, self.stack)):
+                        st[g] = th + (sign * self.sigma) * self._eps(ms, k, th.shape)
+                w1, b1, w2, b2, w3, b3 = self.stack
+                h = torch.tanh(torch.baddbmm(b1[:, None, :], self.xg, w1.transpose(1, 2)))
+                h = torch.tanh(torch.baddbmm(b2[:, None, :], h, w2.transpose(1, 2)))
+                z = torch.baddbmm(b3[:, None, :], h, w3.transpose(1, 2))
+                ce = F.cross_entropy(z.reshape(-1, 2), self.labels, reduction="none")
+                rewards[b0:b0 + BLOCK] = -ce.view(BLOCK, -1).mean(1)
+            c = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-8)
+            c = c[0::2] - c[1::2]
+            scale = self.alpha / POP
+            for k, th in enumerate(self.theta):
+                acc = torch.zeros_like(th)
+                for s in range(POP // 2):
+                    acc += c[s] * self._eps(self._member_seed(2 * s), k, th.shape)
+                th += scale * acc
+        self.iteration += 1
+
+
+def _spirals(threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
+    from fucina import es
+    from examples import es_spirals as demo
+
+    torch = c.torch()
+    xs, labels = demo.make_spirals(42)
+    ctx = fu.ExecContext(threads=threads)
+    pools, stmts = [], {}
+    tr = es.Trainer(sigma=0.1, alpha=0.1, population=POP, antithetic=True, seed=42)
+    try:
+        model = demo.Model(ctx, xs, labels, 42)
+        demo.register(model, tr)
+        rewards = [0.0] * POP
+        setups = {"team": (1, threads)}
+        if threads > 1:
+            setups["threads"] = (threads, 1)
+        for name, (count, each) in setups.items():
+            pool = demo.Workers(tr, xs, labels, count, each, BLOCK)
+            pools.append(pool)
+            stmts[name] = (lambda p=pool: (p.evaluate(rewards), tr.update(rewards)))
+        if torch is not None:
+            loop = _TorchLoop(xs, labels, [p.numpy() for p in model.params()], es.Trainer(
+                sigma=0.1, alpha=0.1, population=POP, antithetic=True, seed=42))
+            stmts["torch"] = loop.step
+        t, load = c.measured(stmts, env={}, threads=threads, quick=quick,
+                             repeats=3 if quick else 7, block_s=0.2 if quick else 0.6)
+        del model
+    finally:
+        stmts.clear()
+        for p in pools:
+            p.close()
+        tr.close()
+        ctx.close()
+    to_s = t["torch"].median if "torch" in t else None
+    out = []
+    for name in setups:
+        med = t[name].median
+        how = ("one worker, kernels on the C team" if name == "team" else
+               f"{threads} Python-thread workers on 1-thread contexts")
+        out.append(row(GROUP, f"es-spirals iteration, population 128: evaluate on replicas "
+                              f"({name}: {how}) + update", threads, med, to_s,
+                       target="≤ PyTorch" if to_s else "", met=None if to_s is None else med <= to_s,
+                       note=f"{1 / med:.0f} it/s (torch {1 / to_s:.0f} it/s); blocks of {BLOCK} "
+                            f"members, one batched forward each; {load}" if to_s else str(load)))
+    return out
+
+
+def rows(quick: bool = False) -> list[dict]:
+    out = []
+    for k in c.thread_counts():
+        out += c.guarded(GROUP, "noise regeneration", lambda: _noise(k, quick))
+        out += c.guarded(GROUP, "es-spirals iteration", lambda: _spirals(k, quick))
+    return out
+
+
+if __name__ == "__main__":
+    c.main(rows)
