@@ -6,7 +6,7 @@ import numpy as np
 from .. import axes
 from ..errors import DTypeError
 from ..exec import Context, validate_shape
-from . import rope
+from . import moe, rope
 from .engine import Leaf
 from ..exec.dtypes import check as check_dtype
 from .tensor import Tensor
@@ -75,6 +75,16 @@ class ExecContext(Context):
         """A table for positions pos0 .. pos0 + count - 1 from f64 per-pair inverse frequencies
         (angles and sin/cos in f64, rounded once to f32); see fu.yarn_blend_inv_freqs_f64."""
         return rope.prepare_rope_table_inv_freqs_f64(self, pos0, count, inv_freq, inverse)
+
+    def moe_expert_ffn(self, x, gate, up, down, selected, weights, out_pe, act, profile=None):
+        """SPEC §3.17: the routed expert FFN of one token (fu.moe_expert_ffn)."""
+        return moe.moe_expert_ffn(x, gate, up, down, selected, weights, out_pe, act, profile)
+
+    def moe_expert_ffn_batch(self, x, gate, up, down, selected, weights, top_k, out_pe, act,
+                             profile=None):
+        """SPEC §3.17: the routed expert FFN of a batch of tokens (fu.moe_expert_ffn_batch)."""
+        return moe.moe_expert_ffn_batch(x, gate, up, down, selected, weights, top_k, out_pe, act,
+                                    profile)
 
     def classify(self, t):
         """SPEC R-4 layout class of a tensor (or RawTensor)."""
