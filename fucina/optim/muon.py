@@ -1,0 +1,188 @@
+"""Muon (SPEC T-6): Keller Jordan's reference (lerp-form momentum, Nesterov blend, Newton–Schulz
+orthogonalization of the update) with Moonlight's optional RMS-matching scale, and an embedded
+AdamW for the params Muon must not orthogonalize.
+
+Routing: `add_param` sends a param of raw rank >= 2 (a conv filter flattens to [d0, rest]) to
+Muon and anything smaller to the fallback; `add_fallback_param` forces the fallback (embeddings,
+output/classifier heads: 2-D, but not hidden-space maps — routing them to Muon is silently wrong,
+not an error). Each param belongs to one path (DuplicateParam across both). `step` runs every
+Muon slot, then the fallback; clipping and norms span both.
+
+Per Muon slot (f32; β = momentum, w = 1 − β, both float32):
+    m1 = lerp(m0, g, w); u = lerp(g, m1, β) (nesterov) or m1     one fused kernel, ATen's
+                                                                  lerp forms (switch at 0.5)
+    O  = newton_schulz5(u[rows, cols], ns_steps)
+    p  = p·keep − lr_eff·O                                        one fused kernel
+keep = f32(1 − lr·wd) (1 without decay); lr_eff in float32: spectral lr·sqrt(max(1, rows/cols)),
+match_rms_adamw (lr·0.2)·sqrt(max(rows, cols)).
+
+Frame (T-17): FZM3/FZM4/FZM5 | u8 scale | u8 nesterov | u32 ns_steps | u32 n | n × (name | dims |
+momentum buffer | [master]), immediately followed by the fallback's own AdamW frame. The Muon
+version is decided by its own momentum buffers and masters; a load commits Muon's slots only
+after the fallback's frame was read and validated too.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+from ..ag.engine import is_grad_enabled
+from ..ag.tensor import Tensor
+from ..codegen.optim_lowrank import MuonApplyKey, MuonMomentumKey
+from ..errors import DTypeError, InvalidShape, UnsupportedGradient
+from ..exec import optim_lowrank as xl
+from . import frames
+from .adam import AdamW, AdamWConfig
+from .base import Optimizer, StateBuf
+from .frames import Magics, StateDType, f32
+
+SCALES = ("spectral", "match_rms_adamw")  # index = the frame's u8 scale code
+
+
+def _fallback_default() -> AdamWConfig:
+    return AdamWConfig(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-10, weight_decay=0.0)
+
+
+@dataclass
+class MuonConfig:
+    """scale: "spectral" (Keller) | "match_rms_adamw" (Moonlight: reuse AdamW-tuned lr/wd);
+    state_dtype: storage of the momentum buffer; fallback: the embedded AdamW's config (its own
+    state dtypes). Mutable: schedules write `lr` (and `fallback.lr`)."""
+
+    lr: float = 0.02
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    weight_decay: float = 0.0
+    scale: str = "spectral"
+    state_dtype: StateDType = StateDType.f32
+    fallback: AdamWConfig = field(default_factory=_fallback_default)
+
+    def __post_init__(self):
+        self.state_dtype = StateDType.of(self.state_dtype)
+
+
+def newton_schulz5(u: Tensor, steps: int) -> Tensor:
+    """Keller Jordan's quintic Newton–Schulz iteration: ≈ U·Vᵀ of the rank-2 f32 tensor `u`
+    (singular values land in roughly (0.5, 1.5) by design). `u` is never written; the result is
+    a new constant with u's tags. A tall input (rows > cols) iterates on its transpose."""
+    op = "newton_schulz5"
+    if not isinstance(u, Tensor):
+        raise TypeError(f"{op}: operand u: expected a fucina Tensor, got {type(u).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 0 <= steps < 1 << 32:
+        raise ValueError(f"{op}: expected an int steps in [0, 2^32), got {steps!r}")
+    raw = u._live(op)
+    if raw.rank != 2:
+        raise InvalidShape(f"{op}: operand u: expected a rank-2 tensor, got shape {raw.shape} "
+                           f"(tags {u.tags})")
+    if raw.dtype != "f32":
+        raise DTypeError(f"{op}: operand u: expected dtype f32, got {raw.dtype}")
+    if u.requires_grad and is_grad_enabled():
+        raise UnsupportedGradient(f"{op}: operand u requires grad; expected a constant (the "
+                                  f"iteration has no gradient: call it under fu.no_grad())")
+    return Tensor._result(xl.newton_schulz5(raw.ctx, raw, int(steps)), u.tags)
+
+
+def lr_eff(config: MuonConfig, rows: int, cols: int) -> float:
+    """The shape-scaled learning rate, in float32 arithmetic."""
+    lr = f32(config.lr)
+    if config.scale == "spectral":
+        return f32(lr * f32(math.sqrt(max(1.0, f32(f32(rows) / f32(cols))))))
+    if config.scale == "match_rms_adamw":
+        return f32(f32(lr * f32(0.2)) * f32(math.sqrt(f32(max(rows, cols)))))
+    raise ValueError(f"Muon: expected scale in {SCALES}, got {config.scale!r}")
+
+
+class Muon(Optimizer):
+    """`fu.optim.Muon(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
+    scale="spectral", state_dtype=..., fallback=AdamWConfig(...))` or `Muon(MuonConfig(...))`.
+    `muon.fallback` is the embedded AdamW (its config is `muon.config.fallback`)."""
+
+    Config = MuonConfig
+    MAGICS = Magics(b"FZM3", b"FZM4", b"FZM5")
+    RECORD = (("momentum", "buf"),)
+
+    def __init__(self, config=None, **options):
+        super().__init__(config, **options)
+        self.fallback = AdamW(self.config.fallback)
+
+    def _check_config(self):
+        c = self.config
+        if c.scale not in SCALES:
+            raise ValueError(f"Muon: expected scale in {SCALES}, got {c.scale!r}")
+        if isinstance(c.ns_steps, bool) or not isinstance(c.ns_steps, numbers.Integral) \
+                or not 0 <= c.ns_steps < 1 << 32:
+            raise ValueError(f"Muon: expected an int ns_steps in [0, 2^32), got {c.ns_steps!r}")
+        if not isinstance(c.fallback, AdamWConfig):
+            raise TypeError(f"Muon: expected fallback to be an AdamWConfig, got "
+                            f"{type(c.fallback).__name__}")
+
+    def close(self) -> None:
+        self.fallback.close()
+        super().close()
+
+    # ---- registration: two paths, one identity check ----
+    def add_param(self, t, name: str | None = None) -> None:
+        """Raw rank >= 2 → Muon; 0-D / 1-D → the AdamW fallback."""
+        self._live("add_param")
+        slot = self._new_slot(t, name, "add_param")
+        (self._register if slot.raw_rank >= 2 else self.fallback._register)(slot)
+
+    def add_fallback_param(self, t, name: str | None = None) -> None:
+        """Force the AdamW fallback (embeddings, output/classifier heads)."""
+        self._live("add_fallback_param")
+        self.fallback._register(self._new_slot(t, name, "add_fallback_param"))
+
+    def owns(self, leaf) -> bool:
+        return leaf in self._leaves or self.fallback.owns(leaf)
+
+    def all_slots(self):
+        return self.slots + self.fallback.slots
+
+    # ---- stepping ----
+    def step(self) -> None:
+        """Every Muon slot with a gradient, then the fallback's step."""
+        super().step()
+        self.fallback.step()
+
+    def _init_state(self, slot):
+        return {"momentum": StateBuf(slot.ctx, self.config.state_dtype, slot.numel)}
+
+    def _update(self, slot, grad, prep):
+        c = self.config
+        ctx = slot.ctx
+        beta = f32(c.momentum)
+        w = f32(1.0 - beta)
+        buf = slot.state["momentum"]
+        variant = (bool(c.nesterov), w < 0.5, beta < 0.5)
+        key = slot.cache.get(variant)
+        if key is None:
+            key = slot.cache[variant] = MuonMomentumKey(buf.dtype.name, *variant)
+        upd = ctx.empty((slot.rows, slot.cols))
+        xl.muon_momentum(ctx, key, grad, buf.addr, upd, w, beta)
+        ortho = xl.newton_schulz5(ctx, upd, c.ns_steps)
+        del upd
+        keep = f32(1.0 - c.lr * c.weight_decay) if c.weight_decay != 0 else 1.0
+        xl.muon_apply(ctx, MuonApplyKey(slot.dtype), slot.raw, slot.master, ortho, keep,
+                      lr_eff(c, slot.rows, slot.cols))
+
+    # ---- frames: Muon's records, then the fallback's whole frame ----
+    def _header(self):
+        c = self.config
+        return [("u8", SCALES.index(c.scale), "scale"), ("bool", c.nesterov, "nesterov"),
+                ("u32", c.ns_steps, "ns_steps")]
+
+    def write_frame(self, f) -> None:
+        frames.slot_names(self.fallback.slots, f"{type(self).__name__}.save_state")
+        super().write_frame(f)
+        self.fallback.write_frame(f)
+
+    def stage_frame(self, r):
+        own = super().stage_frame(r)
+        return own, self.fallback.stage_frame(r)
+
+    def commit_frame(self, staged) -> None:
+        own, fb = staged
+        self.fallback.commit_frame(fb)
+        self.commit_slots(own)
