@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo tour test bench clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard fucina/runtime/*.c fucina/runtime/*.h)
 	test -x $(PY) || python3 -m venv .venv
@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard fucina/runtime/*.c fucina/runtime/*
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) -m examples.spirals --plot build/spirals.png
+
+tour: $(STAMP)
 	$(PY) -m examples.tour
 
 test: $(STAMP)
