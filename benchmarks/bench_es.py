@@ -20,6 +20,9 @@
   At 2 threads Fucina runs both member-parallel setups of the demo: "team" (one worker whose
   kernels split on the 2-thread C team) and "threads" (2 Python-thread workers on 1-thread
   contexts, overlapping where kernels release the GIL); PyTorch uses 2 intra-op threads.
+* Ternary genomes (T-27), a 4 Mi-trit tq2_0 genome: the vote-and-threshold update (32 folded
+  streams, flip rate and update fraction 0.001) and one member's perturb + restore, against
+  the same steps written with torch on unpacked int8 codes.
 """
 from __future__ import annotations
 
@@ -188,11 +191,106 @@ def _spirals(threads: int, quick: bool) -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# ternary genomes (SPEC T-27)
+
+TERN_LEN, TERN_POP = 4 * MiB, 64     # a 4 Mi-trit genome (16384 tq2_0 blocks), 32 folded streams
+TERN_FLIP, TERN_FRACTION = 0.001, 0.001
+
+
+class _TorchTernary:
+    """T-27 written with torch on unpacked int8 codes (one byte per trit, no crumb packing):
+    each stream's flips drawn by a torch.Generator seeded with its stream seed, dense f32 votes
+    by index_add_, nonzero, a stable sort by |vote| (index ascending among ties), clamped moves
+    of the top K; perturb/restore as gather, clamped add, scatter and the reverse scatter."""
+
+    def __init__(self, torch, n: int, flips: int, streams: int, cap: int):
+        self.torch, self.n, self.flips, self.streams, self.cap = torch, n, flips, streams, cap
+        self.codes = torch.from_numpy(np.random.default_rng(4).integers(0, 3, n).astype(np.int8))
+        self.gen = torch.Generator()
+        self.coeffs = torch.randn(streams, generator=self.gen)
+
+    def _flips(self, s: int):
+        torch = self.torch
+        self.gen.manual_seed(1000 + s)
+        idx = torch.randint(self.n, (self.flips,), generator=self.gen)
+        delta = torch.randint(2, (self.flips,), generator=self.gen, dtype=torch.int8) * 2 - 1
+        return idx, delta
+
+    def update(self):
+        torch = self.torch
+        parts = [self._flips(s) for s in range(self.streams)]
+        idx = torch.cat([i for i, _ in parts])
+        val = torch.cat([self.coeffs[s] * d.float() for s, (_, d) in enumerate(parts)])
+        votes = torch.zeros(self.n).index_add_(0, idx, val)
+        nz = votes.nonzero().squeeze(1)
+        v = votes[nz]
+        top = torch.sort(v.abs(), descending=True, stable=True).indices[:self.cap]
+        sel = nz[top]
+        step = torch.where(v[top] > 0, 1, -1).to(torch.int8)
+        self.codes[sel] = (self.codes[sel] + step).clamp_(0, 2)
+
+    def perturb_restore(self):
+        idx, delta = self._flips(0)
+        old = self.codes[idx]
+        self.codes[idx] = (old + delta).clamp_(0, 2)
+        self.codes[idx.flip(0)] = old.flip(0)
+
+
+def _ternary(threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
+    from fucina import es
+
+    torch = c.torch()
+    ctx = fu.ExecContext(threads=threads)
+    gen = np.random.default_rng(5)
+    try:
+        genome = ctx.tensor(gen.standard_normal((TERN_LEN // 4096, 4096)).astype(np.float32),
+                            ("o", "i")).to("tq2_0")
+        tr = es.Trainer(sigma=0.1, population=TERN_POP, antithetic=True, seed=3,
+                        ternary_flip_rate=TERN_FLIP, ternary_update_fraction=TERN_FRACTION)
+        tr.add_ternary_param(genome)
+        flips, cap = tr.ternary_flip_count(TERN_LEN), tr.ternary_update_count(TERN_LEN)
+        rewards = list(gen.standard_normal(TERN_POP))
+
+        def perturb_restore():
+            tr.perturb(1)
+            tr.restore(1)
+
+        stmts = {"update": lambda: tr.update(rewards), "perturb": perturb_restore}
+        if torch is not None:
+            ref = _TorchTernary(torch, TERN_LEN, flips, TERN_POP // 2, cap)
+            stmts["torch_update"] = ref.update
+            stmts["torch_perturb"] = ref.perturb_restore
+        t, load = c.measured(stmts, env={}, threads=threads, quick=quick,
+                             repeats=3 if quick else 7, block_s=0.05 if quick else 0.15)
+        stmts.clear()
+        tr.close()
+        del genome
+    finally:
+        ctx.close()
+    votes = TERN_POP // 2 * flips
+    out = []
+    for key, what, count in (
+            ("update", f"ternary update (T-27): 4 Mi-trit tq2_0 genome, {TERN_POP // 2} streams x "
+                       f"{flips} flips, top {cap} of the votes moved", votes),
+            ("perturb", f"ternary perturb + restore (T-27): 4 Mi-trit tq2_0 genome, {flips} flips "
+                        f"with undo log", 2 * flips)):
+        med = t[key].median
+        to_s = t["torch_" + key].median if "torch_" + key in t else None
+        out.append(row(GROUP, what, threads, med, to_s, target="≤ PyTorch" if to_s else "",
+                       met=None if to_s is None else med <= to_s,
+                       note=f"{count / med / 1e6:.0f} M flips/s; torch on unpacked int8 codes "
+                            f"(dense votes, stable sort); {load}"))
+    return out
+
+
 def rows(quick: bool = False) -> list[dict]:
     out = []
     for k in c.thread_counts():
         out += c.guarded(GROUP, "noise regeneration", lambda: _noise(k, quick))
         out += c.guarded(GROUP, "es-spirals iteration", lambda: _spirals(k, quick))
+        out += c.guarded(GROUP, "ternary genomes", lambda: _ternary(k, quick))
     return out
 
 

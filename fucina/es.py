@@ -62,8 +62,12 @@ validates them, restores the iteration and loads the parameters: (seed, iteratio
 the population from there on.
 
 Rewards are float32 (as the reference's); they must be finite — a NaN poisons the z-score of
-the whole iteration (score failed rollouts 0.0 in the evaluator). Ternary genomes (T-27) come
-with the GGUF work; their `ternary_*` settings are already validated and checkpointed here.
+the whole iteration (score failed rollouts 0.0 in the evaluator).
+
+Ternary genomes (T-27): `add_ternary_param` registers a TQ2_0 tensor trained in place by trit
+flips and the EGGROLL vote-and-threshold update on the same shaped rewards — see
+fucina.es_ternary, whose TernaryMethods are part of this Trainer. perturb/restore/update and
+the checkpoints cover both kinds of slot; NoParams means neither kind is registered.
 """
 from __future__ import annotations
 
@@ -82,6 +86,7 @@ from .errors import (AnchorMissing, CheckpointConfigMismatch, DTypeError, Duplic
                      IndexOutOfBounds, InvalidConfig, InvalidTrainerState, MemberActive,
                      MemberNotActive, NonContiguousParam, NoParams, ReplicaShapeMismatch,
                      RewardCountMismatch, UnsupportedDType)
+from .es_ternary import TRITS_DOMAIN, TernaryMethods
 from .exec import es as xes
 from .exec import rng as xrng
 from .exec.raw import RawTensor
@@ -94,7 +99,6 @@ __all__ = ["EsConfig", "EsStats", "MemberTask", "Trainer", "SEED_DOMAIN", "NOISE
 
 SEED_DOMAIN = 0x65735F7365656473   # "es_seeds"
 NOISE_DOMAIN = 0x65735F6E6F697365  # "es_noise"
-TRITS_DOMAIN = 0x65735F7472697473  # "es_trits" (ternary genomes, T-27)
 PARAM_DTYPES = ("f32", "f16", "bf16")
 MAX_WORKERS = 64
 MASK64 = (1 << 64) - 1
@@ -303,13 +307,19 @@ def _check_float(raw: RawTensor, where: str, what: str, err=DTypeError) -> None:
     if not raw.is_contiguous():
         raise NonContiguousParam(f"{where}: {what}: expected a contiguous tensor, got shape "
                                  f"{raw.shape} with strides {raw.strides}")
+    if raw.buf.readonly:  # perturb and update write θ in place: a read-only mapping would fault
+        raise InvalidConfig(f"{where}: {what}: expected writable storage (ES updates parameters "
+                            f"in place), got a read-only buffer such as a GGUF mapping; copy it "
+                            f"first")
 
 
-class Trainer:
-    """The ES trainer of SPEC T-25 (see the module docstring).
+class Trainer(TernaryMethods):
+    """The ES trainer of SPEC T-25 (see the module docstring), with the ternary genomes of
+    T-27 (fucina.es_ternary).
 
     `Trainer(EsConfig(...))` or `Trainer(sigma=..., population=..., ...)`; InvalidConfig on a
-    bad setting. Slot k = the k-th registered parameter (the noise-stream index)."""
+    bad setting. Slot k = the k-th registered float parameter (the noise-stream index);
+    ternary slots are numbered apart (their own flip streams)."""
 
     def __init__(self, config: EsConfig | None = None, **options):
         if config is None:
@@ -325,12 +335,15 @@ class Trainer:
         self._cache: list | None = None      # [stream][slot] f32 RawTensor (cache_streams)
         self._filled: list[bool] = []
         self._has_anchor = False
+        self._tslots: list = []              # ternary genomes (fucina.es_ternary)
+        self.last_ternary_update: list = []  # (nonzero votes, moves) per genome, last update
 
     # ---- lifetime ----
     def close(self) -> None:
         """Drop every slot and trainer-owned buffer (they go back to their pools)."""
         self._drop_buffers()
         self._slots = []
+        self._tslots = []
         self.active_member = None
 
     def __enter__(self):
@@ -353,10 +366,12 @@ class Trainer:
         return self.config.alpha_value()
 
     def param_count(self) -> int:
-        return len(self._slots)
+        """Registered slots, float and ternary."""
+        return len(self._slots) + len(self._tslots)
 
     def element_count(self) -> int:
-        return sum(s.raw.numel for s in self._slots)
+        """Elements of every slot, genome elements included."""
+        return sum(s.raw.numel for s in self._slots) + sum(s.length for s in self._tslots)
 
     def names(self) -> list:
         return [s.name for s in self._slots]
@@ -364,7 +379,8 @@ class Trainer:
     # ---- registration ----
     def add_param(self, t, name: str | None = None) -> None:
         """Register an f32/f16/bf16 tensor (variable, constant or typed): DTypeError,
-        NonContiguousParam, MemberActive, DuplicateParam (same storage twice)."""
+        NonContiguousParam, InvalidConfig (read-only storage), MemberActive, DuplicateParam
+        (same storage twice)."""
         where = "es.Trainer.add_param"
         if not isinstance(t, Tensor):
             raise TypeError(f"{where}: expected a fucina Tensor, got {type(t).__name__}")
@@ -385,7 +401,7 @@ class Trainer:
         """Register every entry of a ParamRegistry, trainable and frozen, in its order; entries
         whose storage is already registered are skipped (tied weights perturb once). All or
         nothing: UnsupportedDType (an entry not f32/f16/bf16), NonContiguousParam,
-        MemberActive. Returns the number of slots added."""
+        InvalidConfig (read-only storage), MemberActive. Returns the number of slots added."""
         where = "es.Trainer.add_registry"
         self._guard_idle(where)
         found, seen = [], {s.raw.addr for s in self._slots}
@@ -426,7 +442,7 @@ class Trainer:
         self._has_anchor = True
 
     def _need_slots(self, where: str) -> None:
-        if not self._slots:
+        if not self._slots and not self._tslots:
             raise NoParams(f"{where}: expected at least one registered param, got none")
 
     # ---- seeds (checkpoint contract) ----
@@ -470,12 +486,14 @@ class Trainer:
 
     # ---- in place: perturb / restore ----
     def perturb(self, member: int) -> None:
-        """θ += σ·ε_member in place over every slot. MemberActive, NoParams."""
+        """θ += σ·ε_member in place over every float slot, and member's flips on every genome
+        (T-27). MemberActive, NoParams."""
         where = "es.Trainer.perturb"
         member = self._check_member(member, where)
         self._guard_idle(where)
         self._need_slots(where)
         raws = [s.live(where) for s in self._slots]
+        staged = self._stage_perturb(member)  # the genomes' flips, generated, nothing moved
         if self.config.restore_mode == "snapshot" and not self._snapshot_valid:
             for s, raw in zip(self._slots, raws):
                 if s.snapshot is None:
@@ -483,17 +501,20 @@ class Trainer:
                 xes.copy_bytes(raw.ctx, raw, s.snapshot)
             self._snapshot_valid = True
         self._apply(member, 1.0, raws)
+        self._perturb_ternary(staged)
         self.active_member = member
 
     def restore(self, member: int) -> None:
-        """Undo perturb(member): regenerate and subtract, or copy the snapshot back (bitwise).
-        MemberNotActive when no member, or another one, is active."""
+        """Undo perturb(member): regenerate and subtract, or copy the snapshot back (bitwise);
+        genomes replay their undo logs (bitwise). MemberNotActive when no member, or another
+        one, is active."""
         where = "es.Trainer.restore"
         if self.active_member is None or self.active_member != member:
             active = "no member is active" if self.active_member is None else \
                 f"the active member is {self.active_member}"
             raise MemberNotActive(f"{where}: expected the active member, got {member!r} ({active})")
         raws = [s.live(where) for s in self._slots]
+        self._restore_ternary()  # the undo logs replayed (every genome checked live first)
         if self.config.restore_mode == "snapshot":
             for s, raw in zip(self._slots, raws):
                 xes.copy_bytes(raw.ctx, s.snapshot, raw)
@@ -608,9 +629,9 @@ class Trainer:
 
     # ---- the update ----
     def update(self, rewards) -> EsStats:
-        """θ += (α/N)·Σ_n C_n·ε_n (then AWD), iteration += 1; returns the reward stats.
-        Mutate-last: MemberActive, NoParams, RewardCountMismatch and AnchorMissing are raised
-        before any parameter changes."""
+        """θ += (α/N)·Σ_n C_n·ε_n (then AWD) and the ternary votes (T-27), iteration += 1;
+        returns the reward stats. Mutate-last: MemberActive, NoParams, RewardCountMismatch and
+        AnchorMissing are raised before any parameter changes."""
         where = "es.Trainer.update"
         cfg = self.config
         self._guard_idle(where)
@@ -630,6 +651,18 @@ class Trainer:
             members = np.arange(0, cfg.population, 2, dtype=np.uint64)
         else:
             members = np.arange(cfg.population, dtype=np.uint64)
+        staged = self._stage_ternary(coeffs)  # ternary flips generated, nothing moved yet
+        if raws:
+            self._update_floats(raws, coeffs, members)
+        self._apply_ternary(staged)
+        self.iteration += 1
+        self._snapshot_valid = False
+        self._filled = [False] * len(self._filled)
+        return stats
+
+    def _update_floats(self, raws, coeffs, members) -> None:
+        """update's float half: every slot element gets (α/N)·Σ_s C_s·ε_s, then AWD."""
+        cfg = self.config
         S = len(coeffs)
         with np.errstate(over="ignore"):
             index = np.uint64(self.iteration * cfg.population & MASK64) + members
@@ -647,15 +680,12 @@ class Trainer:
         else:
             entries = self._stream_table(member_seeds)
         ctx0 = raws[0].ctx
+        where = "es.Trainer.update"
         table = ctx0.from_numpy(entries, (len(raws), S), "i64", where)
         cbuf = ctx0.from_numpy(coeffs, (S,), "f32", where)
         for k, (s, raw) in enumerate(zip(self._slots, raws)):
             xes.update(raw.ctx, raw, table.addr + 8 * S * k, cbuf.addr, S, scale, cached, decay,
                        s.anchor, knob)
-        self.iteration += 1
-        self._snapshot_valid = False
-        self._filled = [False] * len(self._filled)
-        return stats
 
     def _fill_all_streams(self, member_seeds, raws) -> None:
         """cache_streams: regenerate every stream not yet used this iteration into its cache."""
@@ -778,19 +808,24 @@ class Trainer:
     def save_checkpoint(self, directory, registry, adapters: bool = False, step: int | None = None,
                         **fields) -> None:
         """A checkpoint directory (SPEC T-19/T-28): model.safetensors (adapters.safetensors
-        when `adapters`) from the registry, then trainer_state.json last. No optimizer file:
-        ES has no optimizer state; (seed, es_iteration) regenerate the population."""
-        self._guard_idle("es.Trainer.save_checkpoint")
+        when `adapters`) from the registry, ternary.gguf with the ternary genomes (if any),
+        then trainer_state.json last. No optimizer file: ES has no optimizer state; (seed,
+        es_iteration) regenerate the population."""
+        where = "es.Trainer.save_checkpoint"
+        self._guard_idle(where)
         state = self.trainer_state(step, **fields)
+        self._ternary_file_names(where)  # unique genome names, checked before anything is written
         begin_save(directory)
         name = ADAPTERS_STATE_FILE if adapters else MODEL_STATE_FILE
         write_file_atomic(os.path.join(os.fspath(directory), name), registry.save_state_dict)
+        self._save_ternary(directory)
         save_trainer_state(directory, state)
 
     def load_checkpoint(self, directory, registry, adapters: bool = False) -> TrainerState:
         """Resume: the checkpoint's seed, population, noise scheme, antithetic flag, σ, α and AWD
         settings replace this trainer's (validated: InvalidConfig), its iteration is restored
-        and the registry's tensors are loaded (strict). CheckpointConfigMismatch when an es_*
+        and the registry's tensors and the ternary genomes are loaded (strict: the genomes
+        must match ternary.gguf by name, shape and dtype). CheckpointConfigMismatch when an es_*
         field is missing or out of range; InvalidTrainerState when the directory holds no
         complete checkpoint. Transactional: on any error the trainer and the tensors are
         unchanged. Capture the AWD anchor BEFORE calling this."""
@@ -802,7 +837,9 @@ class Trainer:
                                       f"checkpoint (no trainer_state.json)")
         cfg = validate_config(config_from_state(state, self.config, where))
         name = ADAPTERS_STATE_FILE if adapters else MODEL_STATE_FILE
+        genomes = self._read_ternary(directory, where)
         registry.load_state_dict(os.path.join(os.fspath(directory), name), strict=True)
+        self._commit_ternary(genomes)
         self.config = cfg
         self.iteration = state.es_iteration
         self._snapshot_valid = False           # θ changed; the stream count may have too

@@ -335,6 +335,8 @@ def write(path, tensors, metadata, *, alignment: int | None = None) -> None:
             for data in blobs:
                 out.write(data)
                 out.write(bytes(-len(data) % align))
+            out.flush()
+            os.fsync(out.fileno())   # on disk before the rename makes it the file
         os.replace(tmp, path)
     except BaseException:
         try:
