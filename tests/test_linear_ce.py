@@ -148,3 +148,21 @@ def test_bad_input(ctx):
         X.linear_cross_entropy(W, [0] * 4, reduction="batchmean")
     with pytest.raises(fu.InvalidShape, match="label_smoothing"):
         X.linear_cross_entropy(W, [0] * 4, label_smoothing=1.0)
+
+
+def test_tagged_labels_must_follow_the_logits_axis_order(ctx):
+    """Labels given as an i64 tensor pair with positions by tag: another axis order (or other
+    tags) is refused rather than silently pairing the wrong rows."""
+    x = ctx.tensor(rand(2, 3, 5), ("batch", "member", "class"))
+    good = ctx.tensor(np.array([[0, 1, 2], [3, 4, 0]]), ("batch", "member"), dtype="i64")
+    want = x.cross_entropy("class", [0, 1, 2, 3, 4, 0]).item()
+    assert x.cross_entropy("class", good).item() == want
+    swapped = ctx.tensor(np.array([[0, 3], [1, 4], [2, 0]]), ("member", "batch"), dtype="i64")
+    with pytest.raises(fu.TagError, match="positions"):
+        x.cross_entropy("class", swapped)
+    with pytest.raises(fu.TagError, match="positions"):
+        x.log_softmax("class").nll_loss("class", swapped)
+    X = ctx.tensor(rand(3, 4), ("row", "d"))
+    with pytest.raises(fu.TagError, match="positions"):
+        X.linear_cross_entropy(ctx.tensor(rand(5, 4), ("class", "d")),
+                               ctx.tensor(np.array([0, 1, 2]), ("r",), dtype="i64"))

@@ -19,10 +19,14 @@ from .engine import finish_op
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _host_labels(op: str, labels, R: int, K: int, ignore_index=None):
+def _host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=None):
     """Labels (list, numpy, or an i64 Tensor), one per position, validated against K classes.
-    Returns (int array, ignored mask)."""
+    A tagged label tensor must carry the position tags in the logits' order (row-major labels
+    in another axis order would silently pair the wrong rows). Returns (int array, ignored)."""
     if hasattr(labels, "_live"):
+        if positions is not None and labels.tags != tuple(positions):
+            raise TagError(f"{op}: expected labels tagged {tuple(positions)} (the positions, in the "
+                           f"logits' axis order), got {labels.tags}")
         arr = labels._live(op).to_numpy()
     else:
         arr = np.asarray(labels)
@@ -41,9 +45,9 @@ def _host_labels(op: str, labels, R: int, K: int, ignore_index=None):
     return arr, ignored
 
 
-def _labels(ctx, labels, R: int, K: int, ignore_index):
+def _labels(ctx, op, labels, R: int, K: int, ignore_index, positions):
     """Labels as an i64 raw with -1 for ignored rows, and the count of rows that are not ignored."""
-    arr, ignored = _host_labels("cross_entropy", labels, R, K, ignore_index)
+    arr, ignored = _host_labels(op, labels, R, K, ignore_index, positions)
     safe = arr.astype(np.int64) if arr.dtype.kind == "i" else np.minimum(arr, K).astype(np.int64)
     enc = np.where(ignored, -1, safe).astype(np.int64)
     return ctx.from_numpy(enc, (R,), "i64", "cross_entropy"), int(R - ignored.sum())
@@ -82,7 +86,7 @@ def cross_entropy(x, class_tag: str, labels, ignore_index=None, reduction: str =
     K = r.shape[ax]
     rest_shape = r.shape[:ax] + r.shape[ax + 1:]
     R = int(np.prod(rest_shape)) if rest_shape else 1
-    lab, valid = _labels(ctx, labels, R, K, ignore_index)
+    lab, valid = _labels(ctx, "cross_entropy", labels, R, K, ignore_index, rest)
     # rows: the class axis last and contiguous, other axes row-major in their own order
     perm = [i for i in range(r.rank) if i != ax] + [ax]
     rows = ew.materialize(ctx, r.permute(perm))
@@ -121,7 +125,7 @@ def linear_cross_entropy(x, weight, labels, ignore_index=None, reduction: str = 
     _reduction(op, reduction)
     eps = _smoothing(op, label_smoothing)
     R, K = xr.shape[0], wr.shape[0]
-    lab, valid = _labels(ctx, labels, R, K, ignore_index)
+    lab, valid = _labels(ctx, op, labels, R, K, ignore_index, (x.tags[0],))
     xr, wr = ew.materialize(ctx, xr), ew.materialize(ctx, wr)
     logits = exl.linear_logits(ctx, xr, wr)
     per_row, m, s = exl.ce_forward(ctx, logits, lab, eps)
@@ -284,7 +288,7 @@ def _onehot(x, class_tag: str, labels):
     K = r.shape[ax]
     rest_shape = r.shape[:ax] + r.shape[ax + 1:]
     R = int(np.prod(rest_shape)) if rest_shape else 1
-    arr, _ = _host_labels("nll_loss", labels, R, K)
+    arr, _ = _host_labels("nll_loss", labels, R, K, positions=rest)
     oh = np.zeros((R, K), np.float32)
     oh[np.arange(R), arr.astype(np.int64)] = 1.0
     oh = np.moveaxis(oh.reshape(tuple(rest_shape) + (K,)), -1, ax)
