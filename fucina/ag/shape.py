@@ -1,5 +1,5 @@
-"""Shape ops with their backward rules: views that share storage (narrow, permute) and
-materialization (contiguous)."""
+"""Shape ops with their backward rules: the permute view and materialization (contiguous).
+narrow, select and slice live with the indexing family (ag/gather_scatter.py)."""
 from __future__ import annotations
 
 from .. import axes
@@ -11,18 +11,6 @@ class ShapeMethods:
     """Tensor methods of the shape family."""
 
     __slots__ = ()
-
-    def narrow(self, tag: str, start: int, length: int):
-        """A view of `length` entries of axis `tag` from `start` (shares storage)."""
-        a = self._live("narrow")
-        ax = axes.axis_of(self.tags, tag, "narrow")
-        v = a.narrow(ax, start, length)
-
-        def grad_of(g):  # zeros with g written into the narrowed window
-            full = a.ctx.full_raw(a.shape, 0.0, "f32")
-            ew.run(a.ctx, "copy", "f32", v.shape, (g,), out=full.narrow(ax, start, length))
-            return full
-        return self._result(*view("narrow", self, v, self.tags, grad_of))
 
     def permute(self, tags):
         """A view with the axes reordered to `tags` (shares storage)."""
