@@ -7,6 +7,13 @@ decoder; PyTorch has no ggml block formats, so its competitor is the same dequan
 as PyTorch tensor ops on the raw block bytes (the way a torch user dequantizes a GGUF weight).
 Each row reports GB/s of (block bytes read + f32 bytes written). Target: at least as fast as
 the PyTorch composition. The encoders (ggml's reference quantizers) are shown for information.
+
+Quantized matmul rows (SPEC A-8): `x.dot(w_q, "in")` at Qwen3-0.6B MLP shapes, one token
+(1 x 1024 -> 3072, the gemv kernel) and a 256-token prefill (256 x 1024 -> 3072, w decoded into
+the f32 GEMM's packed panels), for q4_k and q8_0. The PyTorch competitor is what a torch user
+with a GGUF weight runs: dequantize (the torch-ops decode above) then `x @ w.T`; the notes add
+PyTorch's matmul alone on a weight dequantized beforehand and Fucina's own f32 GEMM on the
+dequantized weight (`x.dot(w_f32)`). Target: at least as fast as dequantize-then-matmul.
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ from . import common as c
 
 GROUP = "quantization"
 SHAPE = (3072, 1024)
+MATMUL_ROWS = (1, 256)
+MATMUL_FORMATS = ("q4_k", "q8_0")
 
 
 def torch_dequant(torch, fmt: str):
@@ -115,10 +124,66 @@ def _one(threads: int, quick: bool) -> list[dict]:
     return out
 
 
+def _matmul(threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
+    from fucina.codegen.quant import FORMATS
+    from fucina.exec import quant as xq
+
+    torch = c.torch()
+    rng = np.random.default_rng(1)
+    N, K = SHAPE
+    a = rng.standard_normal(SHAPE).astype(np.float32)
+    ctx = fu.ExecContext(threads=threads)
+    out = []
+    try:
+        for fmt in MATMUL_FORMATS:
+            q = ctx.tensor(a, ("out", "in")).to(fmt)
+            wd = q.to("f32")
+            for M in MATMUL_ROWS:
+                xa = rng.standard_normal((M, K)).astype(np.float32)
+                x = ctx.tensor(xa, ("tok", "in"))
+                env = {"x": x, "q": q, "wd": wd}
+                stmts = {"fucina": "x.dot(q, 'in')", "fucina f32": "x.dot(wd, 'in')"}
+                if torch is not None:
+                    fn = torch_dequant(torch, fmt)
+                    raw = torch.from_numpy(q.data_const().reshape(-1, FORMATS[fmt][1]).copy())
+                    env.update(fn=fn, raw=raw, tx=torch.from_numpy(xa), tw=torch.from_numpy(wd.numpy()),
+                               N=N, K=K)
+                    stmts["torch"] = "tx @ fn(raw).reshape(N, K).T"
+                    stmts["torch mm"] = "tx @ tw.T"
+                    got, want = x.dot(q, "in").numpy(), (env["tx"] @ env["tw"].T).numpy()
+                    if not np.allclose(got, want, rtol=1e-4, atol=1e-3):
+                        raise AssertionError(f"{fmt}: Fucina's quantized dot and torch disagree")
+                t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                                     repeats=5 if quick else 9, block_s=0.03 if quick else 0.1)
+                fu_s = t["fucina"].median
+                to_s = t["torch"].median if "torch" in t else None
+                met = None if to_s is None else fu_s <= to_s
+                path = xq.matmul_path(x._raw, q._raw)
+                note = f"{2 * M * N * K / fu_s / 1e9:.1f} GFLOP/s"
+                if path == "gemv":   # one token: the weight's bytes are what a call streams
+                    nbytes = q.numel // FORMATS[fmt][0] * FORMATS[fmt][1]
+                    note += f", {nbytes / fu_s / 1e9:.1f} GB/s of blocks"
+                note += (f"; path {path}; Fucina f32 GEMM on the dequantized weight "
+                         f"{c.fmt_time(t['fucina f32'].median)} (x{t['fucina f32'].median / fu_s:.2f})")
+                if to_s is not None:
+                    note += (f"; torch matmul alone on a pre-dequantized weight "
+                             f"{c.fmt_time(t['torch mm'].median)} (x{t['torch mm'].median / fu_s:.2f})")
+                r = c.row(GROUP, f"dot x[{M}, {K}] · {fmt} w[{N}, {K}]ᵀ", threads, fu_s, to_s,
+                          target="≥ PyTorch dequantize + matmul", met=met,
+                          note=f"{note}; torch = dequantize (torch ops) then x @ w.T; {load}")
+                r["parity"] = met is False and to_s / fu_s >= c.PARITY
+                out.append(r)
+    finally:
+        ctx.close()
+    return out
+
+
 def rows(quick: bool = False) -> list[dict]:
     out = []
     for k in c.thread_counts():
         out += c.guarded(GROUP, "quant", lambda: _one(k, quick))
+        out += c.guarded(GROUP, "quantized matmul", lambda: _matmul(k, quick))
     return out
 
 

@@ -13,8 +13,10 @@ from ..exec import einsum as es
 from ..exec import elementwise as ew
 from ..exec import reduce as red
 from ..exec.matmul import gemm
+from ..exec.dtypes import BLOCKS
 from .checks import same_ctx
 from .engine import finish_op, needs_graph
+from .quant import quantized_dot, refuse_einsum
 
 
 
@@ -29,6 +31,7 @@ def _check_dtypes(op, x, y):
 
 
 def einsum(x, y, out_tags, op: str = "einsum"):
+    refuse_einsum(op, y)
     _check_dtypes(op, x, y)
     a, b = x._raw, y._raw
     out_tags = tuple(out_tags)
@@ -65,6 +68,8 @@ def _grad_for(ctx, p, pt, q, qt, target, tt, left_first=False):
 
 
 def dot(x, y, tag: str):
+    if y._raw.dtype in BLOCKS:  # SPEC A-8: a frozen block-quantized weight, gradient to x only
+        return quantized_dot(x, y, tag)
     out_tags = axes.dot_tags("dot", x.tags, x._raw.shape, y.tags, y._raw.shape, tag)
     return einsum(x, y, out_tags, op="dot")
 

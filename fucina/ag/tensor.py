@@ -38,7 +38,7 @@ from .typed import TypedMethods
 class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods, LossMethods,
              ShapeMethods, MaskMethods, ElementalMethods, InplaceMethods, TypedMethods, RngMethods,
              SoftmaxMethods, NormMethods, RopeMethods, AttentionMethods, ConvMethods,
-             SelectionMethods, GatherScatterMethods, QuantMethods):
+             SelectionMethods, QuantMethods, GatherScatterMethods):
     """A tensor whose axes have names. Create one through an ExecContext.
 
     The core (data access, ownership, autograd) is here; each op family's methods live in

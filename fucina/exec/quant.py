@@ -1,5 +1,7 @@
 """Block-quantized tensors at the exec layer (SPEC R-9): their RawTensor, and encoding and
-decoding through the generated kernels of fucina.codegen.quant.
+decoding through the generated kernels of fucina.codegen.quant; the ops that read blocks in
+place through fucina.codegen.quant_gemm: the quantized matmul (SPEC A-8), get_rows and the
+row-axis concat (SPEC §3.16).
 
 A block spans the innermost axis, so a quantized tensor of shape (..., K) is rows of K / block
 elements' worth of whole blocks laid end to end; K must be a nonzero multiple of the block size.
@@ -9,11 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..codegen import gemm as g
 from ..codegen import kernels
 from ..codegen.quant import ENCODABLE, QuantKey
-from ..errors import DTypeError, InvalidShape
+from ..codegen.quant_gemm import KC_MAX, QuantCopyKey, QuantGemvKey, QuantRowsKey, QuantTileKey
+from ..errors import DTypeError, IndexOutOfBounds, InvalidShape, ShapeMismatch
+from . import elementwise as ew
+from . import matmul as mm
 from .dtypes import BLOCKS
-from .raw import RawTensor, contiguous_layout
+from .raw import RawTensor, contiguous_layout, numel
 
 DECODE_CHUNK = 1 << 14   # elements per decode chunk
 ENCODE_CHUNK = {"q8_0": 1 << 13, "tq2_0": 1 << 13}  # K-quant encoders search scales: 1 KiB-element chunks
@@ -38,10 +44,12 @@ class BlockRaw(RawTensor):
     @property
     def strides(self):
         """Element strides mean nothing inside a block: any op that walks a quantized tensor
-        element by element (every op but to('f32') and the quantized matmul) stops here."""
+        element by element (every op but to('f32'), get_rows, concat and the quantized
+        matmul) stops here."""
         raise DTypeError(f"this op does not take a {self.dtype} tensor: block-quantized tensors "
-                         f"support only .to('f32') (dequantize) and use as the right operand of "
-                         f"dot; expected a f32/f16/bf16 tensor, got {self.dtype} {self.shape}")
+                         f"support only .to('f32') (dequantize), get_rows, row-axis concat and "
+                         f"use as the right operand of dot; expected a f32/f16/bf16 tensor, got "
+                         f"{self.dtype} {self.shape}")
 
     def view(self, shape, strides, offset=None):
         raise DTypeError(f"view: a {self.dtype} tensor has no strided views; expected a dense "
@@ -128,5 +136,167 @@ def encode(ctx, x: RawTensor, fmt: str) -> BlockRaw:
     return out
 
 
-__all__ = ["BlockRaw", "BLOCKS", "ENCODABLE", "check_shape", "decode", "empty", "encode",
-           "from_bytes", "row_bytes", "wrap"]
+# ---------------------------------------------------------------------------------------------
+# quantized matmul (SPEC A-8): y[M, N] = x[M, K] · dequant(w[N, K])ᵀ
+
+GEMV_ROWS = 4            # rows of x per gemv launch ...
+GEMV_MAX_ROWS = 8        # ... up to this many rows (a launch per 4 rows), the tiled GEMM beyond
+GEMV_WORK = 1 << 16      # weights decoded per chunk of a gemv launch
+GEMV_COLS = {1: 8, 2: 4, 3: 2, 4: 2}   # outputs per gemv item: up to 16 accumulators
+_mm_plans: dict = {}
+
+
+def matmul(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
+    """x [M, K] f32 (any strides) times the quantized w [N, K] transposed: a contiguous f32
+    [M, N]. Every product uses the weight exactly as w.to('f32') holds it and accumulates in
+    f32, in a k order fixed by the shapes: bitwise identical for any thread count.
+
+    M <= GEMV_MAX_ROWS: the gemv kernel, one launch per 4 rows of x, decodes each block of w
+    once per launch and multiplies it with those rows. More rows: x packed into the f32 GEMM's
+    A panels, then its tile kernel with the B panels decoded from w on the fly (bitwise the
+    f32 GEMM of x and w.to('f32')ᵀ, whose packed and rowvec paths share one FMA chain per
+    element)."""
+    try:
+        plan = _mm_plans[(x.lay, w.lay)]
+    except KeyError:
+        plan = _mm_plans[(x.lay, w.lay)] = _mm_plan(x, w)
+    if ctx.closed:
+        ctx.check_open("dot")
+    if x.strides[-1] != 1:
+        x = ew.materialize(ctx, x)
+    out = ctx.empty(plan.shape)
+    if plan.direct is not None:
+        addr, n, cost, tail = plan.direct
+        ctx.launch(addr, n, cost, x.addr, w.addr, out.addr, *tail)
+    else:
+        mm._run(ctx, plan, x, w, out, 0, 0, 0)
+    return out
+
+
+def matmul_path(x: RawTensor, w: BlockRaw) -> str:
+    """gemv | packed: which kernels matmul(x, w) runs (tests, benchmarks)."""
+    return _mm_plan(x, w).kind
+
+
+def _mm_plan(x, w) -> "mm._Plan":
+    op = "dot"
+    if not isinstance(w, BlockRaw):
+        raise DTypeError(f"{op}: right operand: expected a block-quantized tensor, got "
+                         f"{getattr(w, 'dtype', type(w).__name__)}")
+    if x.dtype != "f32":
+        raise DTypeError(f"{op}: left operand: expected f32 activations against a {w.dtype} "
+                         f"weight, got {x.dtype}")
+    if x.rank != 2 or w.rank != 2:
+        raise ShapeMismatch(f"{op}: expected x [M, K] and w [N, K], got shapes {x.shape} and "
+                            f"{w.shape}")
+    (M, K), (N, Kw) = x.shape, w.shape
+    if K != Kw:
+        raise ShapeMismatch(f"{op}: contraction length: x has {K}, the {w.dtype} weight {Kw}; "
+                            f"expected equal")
+    plan = mm._Plan((M, N))
+    s_xm = x.strides[0] if x.strides[-1] == 1 else K   # otherwise x is copied contiguous first
+    if M <= GEMV_MAX_ROWS:
+        plan.kind = "gemv"
+        for m0 in range(0, M, GEMV_ROWS):
+            rows = min(GEMV_ROWS, M - m0)
+            cols = GEMV_COLS[rows]
+            items = -(-N // cols)
+            per = max(1, GEMV_WORK // (cols * K))
+            plan.steps.append((kernels.get(QuantGemvKey(w.dtype, rows, cols)), -(-items // per),
+                               w.lay.nbytes + rows * (K + N) * 4,
+                               ((mm.A, m0 * s_xm * 4), (mm.B, 0), (mm.C, m0 * N * 4)),
+                               (N, K, s_xm, per)))
+        if len(plan.steps) == 1:
+            addr, n, cost, _, tail = plan.steps[0]
+            plan.direct = (addr, n, cost, tail)
+        return plan
+    plan.kind = "packed"
+    assert mm.KC <= KC_MAX and all(mm.KC % BLOCKS[f][0] == 0 for f in BLOCKS)
+    MR, NR = g.mr(), g.nr()
+    one, none = (1, 1, 1), (0, 0, 0)
+    a_step, _, asz = mm._pack_step(mm.A, "f32", MR, M, K, s_xm, 1, one, none, 1, 0)
+    MC = mm._blocks(-(-M // MR), mm.MC_PANELS) * MR
+    NC = mm._blocks(-(-N // NR), mm.NC_PANELS) * NR
+    nmb, nnb = -(-M // MC), -(-N // NC)
+    tile = (kernels.get(QuantTileKey(w.dtype, MR, g.NR_VECS, g.UNROLL)), nmb * nnb,
+            M * N * K + nmb * w.lay.nbytes, ((mm.S, 0), (mm.B, 0), (mm.C, 0)),
+            (M, N, K, mm.KC, MC, NC, nmb, nnb))
+    plan.steps = [a_step, tile]
+    plan.scratch = asz
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# get_rows and row-axis concat (SPEC §3.16)
+
+COPY_CHUNK = 1 << 16     # bytes per chunk of a row copy
+
+
+def get_rows(ctx, q: BlockRaw, axis: int, idx: RawTensor, op: str = "get_rows",
+             tag: str | None = None) -> RawTensor:
+    """f32 rows of q gathered along `axis` (not the innermost) at the i64 indices idx [J]:
+    shape q.shape with axis resized to J. Fused: each selected row is decoded straight into
+    the output. An index outside [0, size) raises IndexOutOfBounds."""
+    if not isinstance(q, BlockRaw):
+        raise DTypeError(f"{op}: expected a block-quantized tensor, got {q.dtype}")
+    if not 0 <= axis < q.rank - 1:
+        raise InvalidShape(f"{op}: expected a row axis (0 .. {q.rank - 2}) of the {q.dtype} "
+                           f"tensor {q.shape}, got axis {axis}")
+    if idx.dtype != "i64" or idx.rank != 1:
+        raise DTypeError(f"{op}: expected rank-1 i64 indices, got {idx.dtype} {idx.shape}")
+    idx = ew.materialize(ctx, idx)
+    n, J, K = q.shape[axis], idx.shape[0], q.shape[-1]
+    outer, inner = numel(q.shape[:axis]), numel(q.shape[axis + 1:-1])
+    shape = q.shape[:axis] + (J,) + q.shape[axis + 1:]
+    out = ctx.empty(shape, "f32")
+    rows = outer * J * inner
+    per = max(1, DECODE_CHUNK // K)
+    chunks = -(-rows // per)
+    flags = np.zeros(chunks, np.uint8)
+    bs, bb = BLOCKS[q.dtype]
+    ctx.launch(kernels.get(QuantRowsKey(q.dtype)), chunks, rows * K // bs * (bb + 4 * bs),
+               q.addr, idx.addr, out.addr, n, J, inner, outer, K, per, flags.ctypes.data)
+    if flags.any():
+        v = idx.to_numpy()
+        j = int(np.nonzero((v < 0) | (v >= n))[0][0])
+        name = f"axis {tag!r}" if tag is not None else f"axis {axis}"
+        raise IndexOutOfBounds(f"{op}: index {int(v[j])} at position {j} is out of range for "
+                               f"{name} of size {n}; expected 0 <= index < {n}")
+    return out
+
+
+def concat_rows(ctx, parts, axis: int, op: str = "concat") -> BlockRaw:
+    """Quantized tensors of one dtype and equal sizes off `axis` (a row axis, not the
+    innermost) joined along it: whole rows of blocks copied, bytes unchanged."""
+    first = parts[0]
+    fmt = first.dtype
+    if not 0 <= axis < first.rank - 1:
+        raise InvalidShape(f"{op}: expected a row axis (0 .. {first.rank - 2}) of the {fmt} "
+                           f"tensor {first.shape}, got axis {axis}")
+    for k, p in enumerate(parts):
+        if not isinstance(p, BlockRaw) or p.dtype != fmt:
+            raise DTypeError(f"{op}: operand {k}: expected a {fmt} tensor like operand 0, "
+                             f"got {p.dtype}")
+        if p.rank != first.rank or any(d != e for i, (d, e) in enumerate(zip(p.shape, first.shape))
+                                       if i != axis):
+            raise ShapeMismatch(f"{op}: operand {k}: expected the sizes of operand 0 "
+                                f"{first.shape} off axis {axis}, got {p.shape}")
+    shape = list(first.shape)
+    shape[axis] = sum(p.shape[axis] for p in parts)
+    out = empty(ctx, tuple(shape), fmt)
+    outer = numel(first.shape[:axis])
+    slab = numel(first.shape[axis + 1:-1]) * row_bytes(fmt, first.shape[-1])  # bytes per index
+    total = shape[axis] * slab
+    addr = kernels.get(QuantCopyKey())
+    off = 0
+    for p in parts:
+        seg = p.shape[axis] * slab
+        per = max(1, COPY_CHUNK // seg)
+        ctx.launch(addr, -(-outer // per), 2 * outer * seg, p.addr, out.addr + off, outer, seg,
+                   seg, total, per)
+        off += seg
+    return out
+
+
+__all__ = ["BlockRaw", "BLOCKS", "ENCODABLE", "check_shape", "concat_rows", "decode", "empty",
+           "encode", "from_bytes", "get_rows", "matmul", "matmul_path", "row_bytes", "wrap"]

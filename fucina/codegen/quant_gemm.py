@@ -1,0 +1,353 @@
+"""Kernels that read block-quantized tensors in place (SPEC A-8, §3.16): the quantized matmul
+y[M, N] = x[M, K] · dequant(w[N, K])ᵀ, the fused get_rows (gather + dequantize) and the row
+copies of a quantized concat.
+
+Every block is decoded by the very decoder of fucina.codegen.quant (ggml's dequantize_row_*
+arithmetic, vectorised), into a small stack buffer (L1, or registers once LLVM promotes it):
+the f32 weights are never materialised in memory as a whole. So each weight the matmul multiplies is bitwise the value
+`w.to("f32")` holds, and the products accumulate in f32.
+
+  quant_gemv  few rows of x (1..4 per launch): one item = `cols` rows of w (outputs
+              n .. n+cols-1). For each block of k in increasing order the item decodes the
+              block of a row of w and at once runs FMAs against the matching slice of every
+              row of x (the decoded block never leaves registers). Two accumulators per
+              output: lane t of accumulator s sums k = s*W + t + 2W*i over i in increasing
+              order; they add, then a fixed halving tree folds the lanes. The order of every
+              sum is fixed by K alone (not by M: a row of a batch is bitwise the row alone).
+  quant_tile  many rows of x: the f32 GEMM's tile kernel (fucina.codegen.gemm: packed A
+              panels, MR x NR register tile, one FMA chain per element over k in increasing
+              order) with its B panels decoded on the fly, one NR x KC panel at a time into an
+              L1 buffer, by the same decoders and W x W register transposes. The result is
+              bitwise that of the f32 GEMM on w.to("f32").
+  quant_rows  get_rows: out row r = decode(source row of index r), a chunk flag for an index
+              out of range (the host turns it into IndexOutOfBounds).
+  quant_copy  equal-length byte segments copied between strided places (concat of quantized
+              tensors along a row axis is whole rows of blocks moved).
+
+Argument blocks are documented at each key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import irutil as u
+from .emit import lane_tree
+from .gemm import _fma, _mask_upto, _zero_mask, lanes, transpose
+from .kernels import KernelKey, register
+from .quant import _DECODERS as DECODERS
+from .quant import FORMATS
+
+
+X_REGS = 8   # vector registers the gemv may hold x in
+SPLIT = 2    # gemv accumulators per output: even and odd vectors of k
+KC_MAX = 256  # the largest k block the tile kernel is given (its B panel buffer: KC_MAX x NR)
+
+
+def _vt(n):
+    return ir.VectorType(u.F32, n)
+
+
+def _block_ptr(b, base, row, row_bytes, blk, nbytes):
+    """Address of block `blk` of row `row` in a run of rows of `row_bytes` bytes."""
+    off = b.add(b.mul(row, row_bytes), b.mul(blk, u.i64(nbytes)))
+    return b.gep(base, [off], source_etype=u.I8)
+
+
+def _buffer(b, floats):
+    """A 64-byte aligned f32 stack buffer (entry block, so one per kernel call), typed as an
+    opaque pointer like the kernel arguments the decoders normally write through (the IR
+    text of an alloca's result is `ptr` either way)."""
+    p = u.entry_alloca(b, ir.ArrayType(u.F32, floats))
+    p.align = 64
+    p.type = u.PTR
+    return p
+
+
+def _loadv(b, base, index, W):
+    v = b.load(b.gep(base, [u.i64(index) if isinstance(index, int) else index],
+                     source_etype=u.F32), typ=_vt(W))
+    v.align = 4
+    return v
+
+
+def _storev(b, v, base, index):
+    s = b.store(v, b.gep(base, [u.i64(index) if isinstance(index, int) else index],
+                         source_etype=u.F32))
+    s.align = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# few rows of x: decode each block of w once and use it against every row
+
+@register
+@dataclass(frozen=True)
+class QuantGemvKey(KernelKey):
+    """y[m, n] = sum_k x[m, k] · dequant(w)[n, k] for the `rows` (1..4) rows of x.
+
+    Arguments: 0 x (f32, rows of K at stride s_xm), 1 w (blocks, [N, K]), 2 y (f32 [rows, N],
+    contiguous), 3 N, 4 K, 5 s_xm, 6 items per chunk. Item q computes outputs
+    q*cols .. q*cols+cols-1 of every row; an item past N's edge re-reads row N-1 of w and
+    stores nothing for it."""
+
+    family = "quant_gemv"
+    fmt: str
+    rows: int
+    cols: int
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_gemv(self, symbol))
+
+
+def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = lanes()
+    bs, nbytes = FORMATS[key.fmt]
+    RM, CN = key.rows, key.cols
+    x, w, y = (u.arg_ptr(b, args, i) for i in range(3))
+    N, K, s_xm, per = (u.arg(b, args, i) for i in range(3, 7))
+    nblk = b.sdiv(K, u.i64(bs))
+    row_bytes = b.mul(nblk, u.i64(nbytes))
+    items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
+    bufs = [_buffer(b, bs) for _ in range(CN)]
+    accs = [[[u.entry_alloca(b, _vt(W)) for _ in range(SPLIT)] for _ in range(CN)]
+            for _ in range(RM)]
+    with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
+        n0 = b.mul(q, u.i64(CN))
+        rows = [u.smin(b, b.add(n0, u.i64(c)), b.sub(N, u.i64(1))) for c in range(CN)]
+        for r in range(RM):
+            for c in range(CN):
+                for a in accs[r][c]:
+                    b.store(u.const(_vt(W), 0.0), a)
+
+        def block(c, kb):   # decode a block of row c and use it at once (it stays in registers)
+            DECODERS[key.fmt](b, _block_ptr(b, w, rows[c], row_bytes, kb, nbytes), bufs[c])
+            k0 = b.mul(kb, u.i64(bs))
+            for v in range(bs // W):
+                wv = _loadv(b, bufs[c], v * W, W)
+                for r in range(RM):
+                    xv = _loadv(b, x, b.add(b.mul(u.i64(r), s_xm), b.add(k0, u.i64(v * W))), W)
+                    acc = accs[r][c][v % SPLIT]
+                    b.store(u.intrinsic(b, "llvm.fma", wv.type, [xv, wv, b.load(acc)]), acc)
+
+        if RM * bs // W <= X_REGS:   # x's slice of a block fits in registers: loaded once per block
+            with u.Loop(b, u.i64(0), nblk, 1, "kb") as kb:
+                for c in range(CN):
+                    block(c, kb)
+        else:                        # one row of w at a time over all k, x re-read from L1
+            for c in range(CN):
+                with u.Loop(b, u.i64(0), nblk, 1, f"kb{c}") as kb:
+                    block(c, kb)
+        for c in range(CN):
+            with b.if_then(b.icmp_signed("<", b.add(n0, u.i64(c)), N)):
+                for r in range(RM):
+                    v = b.load(accs[r][c][0])
+                    for a in accs[r][c][1:]:
+                        v = b.fadd(v, b.load(a))
+                    s = lane_tree(b, v, lambda b, p, q: b.fadd(p, q))
+                    idx = b.add(b.mul(u.i64(r), N), b.add(n0, u.i64(c)))
+                    b.store(s, b.gep(y, [idx], source_etype=u.F32))
+    b.ret_void()
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------
+# many rows of x: the f32 GEMM's tile, its B panels decoded on the fly
+
+@register
+@dataclass(frozen=True)
+class QuantTileKey(KernelKey):
+    """C tiles of x · dequant(w)ᵀ from packed A panels (fucina.codegen.gemm's gemm_pack layout)
+    and w's blocks. One chunk = one (MC-row block, NC-column block) tile of C: for each KC
+    block of k in increasing order, for each NR panel of the tile's columns, the panel's
+    NR rows of w x KC are decoded into a stack buffer (laid out as gemm_pack lays out B), then
+    every MR panel of the tile's rows runs the micro-kernel of gemm_tile on it: MR x NR
+    accumulators, one FMA chain per element over k in increasing order, continued from the
+    partial sum the previous KC block left in C. So every element is bitwise what the f32
+    GEMM computes on w.to('f32')ᵀ, for any tile sizes and thread count.
+
+    Arguments: 0 Ap, 1 w (blocks, [N, K]), 2 C (f32 [M, N]), 3 M, 4 N, 5 K, 6 KC (a multiple
+    of the block size), 7 MC, 8 NC, 9 M blocks, 10 N blocks. Chunks run M blocks fastest."""
+
+    family = "quant_tile"
+    fmt: str
+    mr: int
+    nr_vecs: int
+    unroll: int
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_tile(self, symbol))
+
+
+def _decode_panel(b, fmt, w, row_bytes, n0, N, k0, kcl, tmp, panel, Wp):
+    """Rows n0 .. n0+Wp-1 of w (zeros past N) over k0 .. k0+kcl-1 into panel[k - k0][n - n0]:
+    W rows one block at a time, decoded into tmp (a runtime loop over rows keeps tmp in
+    memory), then W x W register transposes."""
+    W = lanes()
+    bs, nbytes = FORMATS[fmt]
+    for s in range(Wp // W):
+        with u.Loop(b, u.i64(0), kcl, bs, "kk") as kk:
+            qb = b.sdiv(b.add(k0, kk), u.i64(bs))
+            with u.Loop(b, u.i64(0), u.i64(W), 1, "t") as t:
+                n = b.add(n0, b.add(t, u.i64(s * W)))
+                dst = b.gep(tmp, [b.mul(t, u.i64(bs))], source_etype=u.F32)
+                with b.if_else(b.icmp_signed("<", n, N)) as (inside, past):
+                    with inside:
+                        DECODERS[fmt](b, _block_ptr(b, w, n, row_bytes, qb, nbytes), dst)
+                    with past:
+                        for v in range(bs // W):
+                            _storev(b, u.const(_vt(W), 0.0), dst, v * W)
+            for j in range(bs // W):
+                cols = transpose(b, [_loadv(b, tmp, t * bs + j * W, W) for t in range(W)])
+                for i, vec in enumerate(cols):
+                    k = b.add(kk, u.i64(j * W + i))
+                    _storev(b, vec, panel, b.add(b.mul(k, u.i64(Wp)), u.i64(s * W)))
+
+
+def _build_tile(key: QuantTileKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = lanes()
+    vt = _vt(W)
+    R, V, U = key.mr, key.nr_vecs, key.unroll
+    NR = V * W
+    bs, nbytes = FORMATS[key.fmt]
+    assert bs % W == 0, (bs, W)
+    Ap, w, C = (u.arg_ptr(b, args, i) for i in range(3))
+    M, N, K, KC, MC, NC, nmb, nnb = (u.arg(b, args, i) for i in range(3, 11))
+    Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
+    row_bytes = b.mul(b.sdiv(K, u.i64(bs)), u.i64(nbytes))
+    panel = _buffer(b, KC_MAX * NR)
+    tmp = _buffer(b, W * bs)
+    accs = [[u.entry_alloca(b, vt) for _ in range(V)] for _ in range(R)]
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        mb, nb = b.srem(c, nmb), b.sdiv(c, nmb)
+        row0, col0 = b.mul(mb, MC), b.mul(nb, NC)
+        row1, col1 = u.smin(b, b.add(row0, MC), M), u.smin(b, b.add(col0, NC), N)
+        with u.Loop(b, u.i64(0), K, KC, "k0") as k0:
+            kcl = u.smin(b, KC, b.sub(K, k0))
+            first = b.icmp_signed("==", k0, u.i64(0))
+            ablk = b.mul(k0, Mp)
+            with u.Loop(b, col0, col1, NR, "j0") as j0:
+                _decode_panel(b, key.fmt, w, row_bytes, j0, N, k0, kcl, tmp, panel, NR)
+                cmask = [_mask_upto(b, b.sub(b.sub(N, j0), u.i64(v * W)), W) for v in range(V)]
+                with u.Loop(b, row0, row1, R, "i0") as i0:
+                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
+                    mvalid = b.sub(M, i0)
+                    masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
+                                       _zero_mask(W)) for v in range(V)] for r in range(R)]
+                    cidx = [[b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(v * W)))
+                             for v in range(V)] for r in range(R)]
+                    with b.if_else(first) as (then, other):
+                        with then:
+                            for r in range(R):
+                                for v in range(V):
+                                    b.store(u.const(vt, 0.0), accs[r][v])
+                        with other:   # the partial sum of the earlier KC blocks
+                            for r in range(R):
+                                for v in range(V):
+                                    b.store(u.load(b, C, cidx[r][v], "f32", W, masks[r][v]),
+                                            accs[r][v])
+
+                    def step(kk):
+                        bv = [_loadv(b, panel, b.add(b.mul(kk, u.i64(NR)), u.i64(v * W)), W)
+                              for v in range(V)]
+                        for r in range(R):
+                            a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
+                                             source_etype=u.F32), typ=u.F32)
+                            av = u.splat(b, a, W)
+                            for v in range(V):
+                                b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
+
+                    kmain = b.sub(kcl, b.srem(kcl, u.i64(U)))
+                    with u.Loop(b, u.i64(0), kmain, U, "k") as k:
+                        for t in range(U):
+                            step(b.add(k, u.i64(t)))
+                    with u.Loop(b, kmain, kcl, 1, "kr") as k:
+                        step(k)
+                    for r in range(R):
+                        for v in range(V):
+                            u.store(b, b.load(accs[r][v]), C, cidx[r][v], "f32", masks[r][v])
+    b.ret_void()
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------
+# get_rows and row copies
+
+@register
+@dataclass(frozen=True)
+class QuantRowsKey(KernelKey):
+    """get_rows: the source viewed as [outer, n, inner] rows of K, out as [outer, J, inner]
+    rows; out row (o, j, i) = decode(source row (o, idx[j], i)).
+
+    Arguments: 0 src (blocks), 1 idx (i64 [J]), 2 out (f32), 3 n, 4 J, 5 inner, 6 outer,
+    7 K, 8 rows per chunk, 9 flags (one byte per chunk, set to 1 when the chunk met an index
+    outside [0, n); its rows for that index are left unwritten)."""
+
+    family = "quant_rows"
+    fmt: str
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_rows(self, symbol))
+
+
+def _build_rows(key: QuantRowsKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    bs, nbytes = FORMATS[key.fmt]
+    src, idx, out = (u.arg_ptr(b, args, i) for i in range(3))
+    n, J, inner, outer, K, per = (u.arg(b, args, i) for i in range(3, 9))
+    flags = u.arg_ptr(b, args, 9)
+    nblk = b.sdiv(K, u.i64(bs))
+    row_bytes = b.mul(nblk, u.i64(nbytes))
+    total = b.mul(outer, b.mul(J, inner))
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        with u.Loop(b, b.mul(c, per), u.smin(b, b.mul(b.add(c, u.i64(1)), per), total), 1, "r") as r:
+            i = b.srem(r, inner)
+            t = b.sdiv(r, inner)
+            j = b.srem(t, J)
+            o = b.sdiv(t, J)
+            sel = b.load(b.gep(idx, [j], source_etype=u.I64), typ=u.I64)
+            ok = b.and_(b.icmp_signed(">=", sel, u.i64(0)), b.icmp_signed("<", sel, n))
+            with b.if_else(ok) as (good, bad):
+                with good:
+                    srow = b.add(b.mul(b.add(b.mul(o, n), sel), inner), i)
+                    orow = b.gep(out, [b.mul(r, K)], source_etype=u.F32)
+                    with u.Loop(b, u.i64(0), nblk, 1, "kb") as kb:
+                        DECODERS[key.fmt](b, _block_ptr(b, src, srow, row_bytes, kb, nbytes),
+                                          b.gep(orow, [b.mul(kb, u.i64(bs))], source_etype=u.F32))
+                with bad:
+                    b.store(ir.Constant(u.I8, 1), b.gep(flags, [c], source_etype=u.I8))
+    b.ret_void()
+    return mod
+
+
+@register
+@dataclass(frozen=True)
+class QuantCopyKey(KernelKey):
+    """Copy `segments` byte runs of equal length: segment s goes from src + s*src_stride to
+    dst + s*dst_stride. 64-byte vectors, then single bytes.
+
+    Arguments: 0 src, 1 dst, 2 segments, 3 segment bytes, 4 src stride, 5 dst stride,
+    6 segments per chunk."""
+
+    family = "quant_copy"
+
+    def ir(self, symbol: str) -> str:
+        mod, b, args, c0, c1 = u.kernel(symbol)
+        src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+        nseg, length, s_src, s_dst, per = (u.arg(b, args, i) for i in range(2, 7))
+        vt = ir.VectorType(u.I8, 64)
+        full = b.sub(length, b.srem(length, u.i64(64)))
+        with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), nseg), 1, "s") as s:
+            sp = b.gep(src, [b.mul(s, s_src)], source_etype=u.I8)
+            dp = b.gep(dst, [b.mul(s, s_dst)], source_etype=u.I8)
+            with u.Loop(b, u.i64(0), full, 64, "v") as v:
+                x = b.load(b.gep(sp, [v], source_etype=u.I8), typ=vt)
+                x.align = 1
+                b.store(x, b.gep(dp, [v], source_etype=u.I8)).align = 1
+            with u.Loop(b, full, length, 1, "t") as t:
+                b.store(b.load(b.gep(sp, [t], source_etype=u.I8), typ=u.I8),
+                        b.gep(dp, [t], source_etype=u.I8))
+        b.ret_void()
+        return str(mod)
