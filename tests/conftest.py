@@ -29,7 +29,7 @@ def ctx2():
 def bits(a) -> np.ndarray:
     """The raw bits of a float array, so NaN payloads and signed zeros compare exactly."""
     a = np.ascontiguousarray(a)
-    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def assert_bitwise(got, want):

@@ -7,21 +7,11 @@ import pytest
 import torch
 
 import fucina as fu
-from conftest import assert_bitwise as _bitwise
+from conftest import assert_bitwise
 
 RNG = np.random.default_rng(16)
 TAGS = ("a", "b", "c")
 SHAPE = (3, 5, 7)
-
-
-def assert_bitwise(got, want):
-    """conftest's bitwise check, plus bool arrays (compared as bytes)."""
-    got, want = np.asarray(got), np.asarray(want)
-    if got.dtype == bool or want.dtype == bool:
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(got, want)
-    else:
-        _bitwise(got, want)
 
 
 def rand(shape):

@@ -23,10 +23,9 @@ from ..exec import elementwise as ew
 from ..exec import gather_scatter as gs
 from ..exec import reduce as red
 from ..exec.raw import MAX_RANK
-from .checks import real, same_ctx
+from .checks import real, require_scope, same_ctx
 from .elementwise import view
 from .engine import finish_op
-from .reduce import _require_scope as require_scope
 
 __all__ = ["SliceRange", "concat", "stack"]
 

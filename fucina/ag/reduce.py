@@ -25,7 +25,6 @@ from ..exec import reduce as red
 from ..exec import scan as sc
 from ..exec.raw import contiguous_strides
 from .checks import real, require_scope, same_ctx
-from .checks import require_scope as _require_scope  # noqa: F401  (the old name, still imported)
 from .elementwise import unbroadcast
 from .engine import finish_op
 
