@@ -277,3 +277,27 @@ def test_bitwise_thread_invariance(ctx1, ctx2):
                                       weights[:K], Fd, "geglu").numpy()])
     for p, q in zip(*out):
         assert p.tobytes() == q.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k", "tq2_0"])
+@pytest.mark.parametrize("rank2", [False, True])
+def test_quantized_stacks_are_the_dequantized_f32_path(ctx, fmt, rank2):
+    """SPEC §3.17's quantized arms (dense-dequantized reference semantics): bitwise the f32
+    path on the decoded weights; only routed experts are decoded."""
+    E, Fd, H, T, K = 5, 256, 256, 3, 2
+    ws = [rand((E, Fd, H), 0.05), rand((E, Fd, H), 0.05), rand((E, H, Fd), 0.05)]
+    q = [ctx.tensor(w, ("e", "o", "i")).to(fmt) for w in ws]
+    deq = [t.to("f32") for t in q]
+    if rank2:
+        q = [ctx.tensor(w.reshape(-1, w.shape[-1]), ("eo", "i")).to(fmt) for w in ws]
+    x = ctx.tensor(rand((T, H)), ("t", "h"))
+    sel, wts = [4, 1, 1, 2, 4, 4], [0.7, 0.3, 0.5, 0.5, 0.9, 0.1]
+    got = fu.moe_expert_ffn_batch(x, *q, sel, wts, K, Fd, "swiglu").numpy()
+    want = fu.moe_expert_ffn_batch(x, *deq, sel, wts, K, Fd, "swiglu").numpy()
+    np.testing.assert_array_equal(got, want)
+    one = fu.moe_expert_ffn(ctx.tensor(rand((1, H)), ("t", "h")), *q, [3], [1.0], Fd, "glu")
+    assert one.shape == (1, H)
+    with pytest.raises(fu.IndexOutOfBounds):
+        fu.moe_expert_ffn_batch(x, *q, [5, 1, 1, 2, 4, 4], wts, K, Fd, "swiglu")
+    with pytest.raises(fu.DTypeError, match="block-quantized"):
+        fu.moe_expert_ffn_batch(x, q[0], deq[1], q[2], sel, wts, K, Fd, "swiglu")

@@ -16,16 +16,21 @@ Operands (shapes only; tag names are not read):
            counts (pairs, active_experts, max_expert_m, tokens).
 The result has x's tags and shape: y_t = sum over t's slots s, in slot order, of
 weights[t, s] · down_e(act(gate_e · x_t, up_e · x_t)), e = selected[t, s]. No gradient: an
-operand that requires grad (with grad mode on) raises UnsupportedGradient. Quantized expert
-stacks (q4_k, q8_0, ...) are not supported yet (DTypeError).
+operand that requires grad (with grad mode on) raises UnsupportedGradient.
+
+Block-quantized stacks (any decodable format: q8_0, q4_k, q6_k, tq2_0, ...; SPEC's MoeRhs arms)
+follow SPEC's dense-dequantized reference semantics: the routed experts' matrices (only those)
+are decoded to f32 by the fused get_rows kernel, then the f32 path runs on that compact stack.
 """
 from __future__ import annotations
 
 import numbers
 
-from ..errors import DTypeError, InvalidShape, ShapeMismatch, UnsupportedGradient
+from ..errors import DTypeError, IndexOutOfBounds, InvalidShape, ShapeMismatch, UnsupportedGradient
 from ..exec import elementwise as ew
 from ..exec import moe as xm
+from ..exec import quant as xq
+from ..exec.dtypes import BLOCKS
 from ..exec.raw import contiguous_strides
 from .checks import same_ctx
 from .engine import needs_graph
@@ -67,6 +72,9 @@ def _run(op: str, x, gate, up, down, selected, weights, top_k, out_pe, act, prof
         top_k = _count(op, "top_k", top_k)
     ctx = xr.ctx
     g, u, d = (w._live(op) for w in (gate, up, down))
+    if any(r.dtype in BLOCKS for r in (g, u, d)):
+        sel = _flat(op, selected)
+        g, u, d, selected = _routed_f32(ctx, op, (g, u, d), ((F, H), (F, H), (H, F)), sel)
     E = xm.expert_stack(op, "gate", g, F, H)
     if xm.expert_stack(op, "up", u, F, H) != E or u.dtype != g.dtype:
         raise ShapeMismatch(f"{op}: up: expected gate's shape {g.shape} and dtype {g.dtype}, got "
@@ -77,6 +85,39 @@ def _run(op: str, x, gate, up, down, selected, weights, top_k, out_pe, act, prof
     xc = ew.materialize(ctx, xr).view((T, H), (H, 1))
     y = xm.expert_ffn(ctx, xc, g, u, d, sel, w, top_k, F, act, profile)
     return x._result(y.view(xr.shape, contiguous_strides(xr.shape)), x.tags)
+
+
+def _flat(op, selected):
+    try:
+        return [int(e) for e in selected]
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: selected: expected a flat sequence of expert indices, got "
+                        f"{selected!r}") from None
+
+
+def _routed_f32(ctx, op, stacks, dims, sel):
+    """The routed experts of each stack decoded to a compact f32 stack [n, rows, cols] (n =
+    distinct experts in `sel`, ascending) and `sel` renumbered into it."""
+    used = sorted(set(sel))
+    out = []
+    for name, r, (rows, cols) in zip(("gate", "up", "down"), stacks, dims):
+        if r.dtype not in BLOCKS:
+            raise DTypeError(f"{op}: {name}: expected every stack block-quantized when one is "
+                             f"(got {r.dtype} beside a quantized stack); dequantize it with .to('f32')")
+        if r.rank == 3 and r.shape[1:] == (rows, cols):
+            E, idx = r.shape[0], used
+        elif r.rank == 2 and r.shape[1] == cols and r.shape[0] % rows == 0:
+            E, idx = r.shape[0] // rows, [e * rows + i for e in used for i in range(rows)]
+        else:
+            raise ShapeMismatch(f"{op}: {name}: expected [experts, {rows}, {cols}] or "
+                                f"[experts * {rows}, {cols}], got {r.shape}")
+        bad = [e for e in used if not 0 <= e < E]
+        if bad:
+            raise IndexOutOfBounds(f"{op}: selected: expected expert indices in [0, {E}), got {bad[0]}")
+        f = xq.get_rows(ctx, r, 0, ctx.from_numpy(idx, (len(idx),), "i64", op), op)
+        out.append(f.view((len(used), rows, cols), contiguous_strides((len(used), rows, cols))))
+    remap = {e: i for i, e in enumerate(used)}
+    return (*out, [remap[e] for e in sel])
 
 
 def moe_expert_ffn(x, gate, up, down, selected, weights, out_pe, act, profile=None):
