@@ -297,20 +297,25 @@ def test_conv2d_wide_and_1x1(ctx1):
              27, [297, 25])
 
 
-@pytest.mark.parametrize("padding", [1, 0, (2, 1)])
+@pytest.mark.parametrize("padding", [1, 0, (2, 1), 3])   # 3: the input gradient crops
 def test_conv2d_winograd_route_against_torch(ctx1, padding):
-    """3x3, stride 1, one group, >= 8 channels each side: the forward is Winograd F(2, 3) (any
-    padding, odd sizes: partial tiles), the gradients the direct kernels'."""
-    H, W, Cin, Cout = 9, 11, 8, 20
+    """3x3, stride 1, one group, >= 16 channels each side, >= 256 output pixels: the forward and
+    the input gradient are Winograd F(2, 3) (any padding, odd sizes: partial tiles)."""
+    from fucina.exec import conv as exc
+
+    H, W, Cin, Cout = 18, 20, 16, 20
+    ph, pw = (padding, padding) if isinstance(padding, int) else padding
+    assert exc.wino_pays(exc.Geo(H, W, Cin, Cout, 3, 3, pt=ph, pb=ph, pl=pw, pr=pw))
     run_both(ctx1, [rand((H, W, Cin)), rand((Cout, 3, 3, Cin)), rand(Cout)],
              [("h", "w", "c"), ("o", "a", "b", "i"), ("o",)],
              lambda x, w, b: x.conv2d(w, b, 1, padding), lambda x, w, b: t_conv2d(x, w, b, 1, padding),
              9 * Cin, [9 * Cout, H * W, H * W])
 
 
-@pytest.mark.parametrize("cin,cout,groups", [(4, 6, 1), (8, 8, 1), (6, 6, 6)])  # direct, Winograd, depthwise
+# routes: direct, Winograd, depthwise
+@pytest.mark.parametrize("cin,cout,groups", [(4, 6, 1), (16, 16, 1), (6, 6, 6)])
 def test_conv2d_relu(ctx, cin, cout, groups):
-    x, w, b = rand((8, 9, cin)), rand((cout, 3, 3, cin // groups)), rand(cout)
+    x, w, b = rand((16, 17, cin)), rand((cout, 3, 3, cin // groups)), rand(cout)
     xt, wt, bt = ctx.tensor(x, ("h", "w", "c")), ctx.tensor(w, ("o", "a", "b", "i")), ctx.tensor(b, ("o",))
     fused = xt.conv2d_relu(wt, bt, 1, 1, groups)
     assert_bitwise(fused.numpy(), xt.conv2d(wt, bt, 1, 1, groups).relu().numpy())
@@ -318,7 +323,7 @@ def test_conv2d_relu(ctx, cin, cout, groups):
     y = run_both(ctx, [x, w, b], [("h", "w", "c"), ("o", "a", "b", "i"), ("o",)],
                  lambda x, w, b: x.conv2d_relu(w, b, 1, 1, groups),
                  lambda x, w, b: torch.relu(t_conv2d(x, w, b, 1, 1, groups)), 9 * cin // groups,
-                 [9 * cout // groups, 72, 72])
+                 [9 * cout // groups, 272, 272])
     assert_bitwise(y.numpy(), fused.numpy())  # the same values under gradients
 
 
@@ -580,18 +585,22 @@ def test_conv2d_prepared_matches_conv2d(ctx, HW, pad):
     k = 9 * Cin
     scale = np.abs(x).max() * np.abs(w).max()
     assert np.abs(got.numpy() - direct).max() <= 2e-5 * k * scale
-    close_k(direct, t_conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), 1, pad).numpy(), k)
+    want = t_conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), 1, pad)
+    close_k(direct, want.numpy(), k)
     relu = xt.conv2d_prepared_relu(wt, prep, bt, 1, pad).numpy()
     assert_bitwise(relu, np.where(got.numpy() > 0, got.numpy(), np.float32(0)))
 
 
 def test_conv2d_prepared_other_routes_are_conv2d(ctx):
-    """Shapes Winograd does not cover (stride 2, groups, 5x5, padding 2) take the direct route."""
+    """Shapes Winograd does not cover (stride 2, groups, 5x5) take the direct route."""
     x = ctx.tensor(rand((9, 9, 4)), ("h", "w", "c"))
     w3 = ctx.tensor(rand((4, 3, 3, 4)), ("o", "a", "b", "i"))
     p3 = w3.prepare_conv2d_weights()
-    for args in [(None, 2, 1), (None, 1, 2)]:
+    for args in [(None, 2, 1), (None, (1, 2), 2)]:
         assert_bitwise(x.conv2d_prepared(w3, p3, *args).numpy(), x.conv2d(w3, *args).numpy())
+    w3g = ctx.tensor(rand((4, 3, 3, 2)), ("o", "a", "b", "i"))
+    p3g = w3g.prepare_conv2d_weights()
+    assert_bitwise(x.conv2d_prepared(w3g, p3g, None, 1, 1, 2).numpy(), x.conv2d(w3g, None, 1, 1, 2).numpy())
     w5 = ctx.tensor(rand((4, 5, 5, 2)), ("o", "a", "b", "i"))
     p5 = w5.prepare_conv2d_weights()
     assert p5.empty

@@ -448,8 +448,10 @@ class ConvMethods:
         ctx = xr.ctx
         out, wre = exc.conv_transpose1d(ctx, xr, wr, br, OC, K, stride, padding, output_pad)
         operands = (self, weight2) if bias is None else (self, weight2, bias)
-        return self._result(*finish_op(op, out, (time_tag, out_tag), operands, lambda needs: functools.partial(
-            _convt_grads, ctx, xr, wre, K, stride, padding, output_pad, needs)))
+        return self._result(*finish_op(op, out, (time_tag, out_tag), operands,
+                                       lambda needs: functools.partial(
+                                           _convt_grads, ctx, xr, wre, K, stride, padding,
+                                           output_pad, needs)))
 
     # ---- 2-D ----
     def conv2d(self, weight, bias=None, stride=1, padding=0, groups=1, out_tags=None):

@@ -433,7 +433,8 @@ def _depthwise(b, args, c0, c1):
                         b.store(b.fadd(b.load(accs[v]), u.load(b, bias, cv, "f32", W, _mask(masks, v))),
                                 accs[v])
                     y = b.load(accs[v])
-                    u.store(b, b.select(do_relu, relu(b, y), y), out, b.add(obase, cv), "f32", _mask(masks, v))
+                    u.store(b, b.select(do_relu, relu(b, y), y), out, b.add(obase, cv), "f32",
+                            _mask(masks, v))
             return run
 
         geo.window(b, oy, ox, lambda iy0, ix0: _channels(b, geo.C, block((iy0, ix0))),
@@ -553,7 +554,8 @@ def _pool(key, b, args, c0, c1):
                                 xv = u.load(b, xp, b.add(c, u.i64(v * W)), "f32", W, _mask(masks, v))
                                 acc = b.load(accs[v])
                                 if key.op == "max":
-                                    take = b.or_(b.fcmp_ordered(">", xv, acc), b.fcmp_unordered("uno", xv, xv))
+                                    take = b.or_(b.fcmp_ordered(">", xv, acc),
+                                                 b.fcmp_unordered("uno", xv, xv))
                                     b.store(b.select(take, xv, acc), accs[v])
                                     b.store(b.select(take, tapf, b.load(idxs[v])), idxs[v])
                                 else:
@@ -956,6 +958,11 @@ def _wino_weight(m, flip, b, args, c0, c1):
         map_pass(b, u.i64(0), Cin, W, body)
 
 
+def _clamp(b, v, n):
+    """v clamped to [0, n - 1]."""
+    return u.smin(b, b.select(b.icmp_signed("<", v, u.i64(0)), u.i64(0), v), b.sub(n, u.i64(1)))
+
+
 def _wino_input(m, b, args, c0, c1):
     W = lanes()
     Bt, _, _ = _wino_matrices(m)
@@ -971,8 +978,8 @@ def _wino_input(m, b, args, c0, c1):
         yok = [_in(b, y, u.i64(0), H) for y in ys]
         xok = [_in(b, xx, u.i64(0), Wd) for xx in xs]
         # rows/columns outside the map read a clamped (valid) pixel and are masked to zero
-        yc = [u.smin(b, b.select(b.icmp_signed("<", y, u.i64(0)), u.i64(0), y), b.sub(H, u.i64(1))) for y in ys]
-        xc = [u.smin(b, b.select(b.icmp_signed("<", xx, u.i64(0)), u.i64(0), xx), b.sub(Wd, u.i64(1))) for xx in xs]
+        yc = [_clamp(b, y, H) for y in ys]
+        xc = [_clamp(b, xx, Wd) for xx in xs]
 
         def body(c, msk):
             full = msk if msk is not None else ir.Constant(ir.VectorType(u.I1, W), [ir.Constant(u.I1, 1)] * W)

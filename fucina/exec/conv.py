@@ -7,13 +7,13 @@ tap (padding costs no copy). Its input gradient is the same kernel over the outp
 (spread onto the input grid with stride - 1 zeros between rows and columns when the conv is
 strided) with the weight read flipped and transposed; its weight gradient is a second kernel
 reducing over output pixels of a zero-padded copy of the input. A 3x3, stride-1, one-group
-conv2d with at least WINO_MIN_CHANNELS channels each side computes its forward, and its input
-gradient (again such a conv), by Winograd F(2x2, 3x3) instead: 2.25x fewer multiplies than any
-direct method (which, at this machine's FMA peak, can at best tie PyTorch), with rounding
-errors of the same size as the direct chain's. conv2d_prepared reuses the weight planes and
-takes F(4x4, 3x3) on larger maps. Depthwise convolutions (one channel per group)
-check bounds per tap instead of padding, so a streaming 1-D chunk can read its `state`
-(the rows before it) in place. conv_transpose1d is a GEMM then fold (col2im), as in ggml.
+conv2d with at least WINO_MIN_CHANNELS channels each side and WINO_MIN_PIXELS output pixels
+computes its forward, and its input gradient (again such a conv), by Winograd F(2x2, 3x3):
+2.25x fewer multiplies than any direct method (which, at this machine's FMA peak, can at best
+tie PyTorch), with rounding errors of the same size as the direct chain's. conv2d_prepared
+reuses the weight planes and takes F(4x4, 3x3) on larger maps. Depthwise convolutions (one
+channel per group) check bounds per tap too, so a streaming 1-D chunk reads its `state` (the
+rows before it) in place. conv_transpose1d is a GEMM then fold (col2im), as in ggml.
 
 Every reduction has an order fixed by the shapes (pixel blocks of a fixed size, folded in
 order), so every result is bitwise identical for any thread count.
@@ -30,8 +30,8 @@ from . import matmul as mm
 from . import reduce as red
 from .raw import RawTensor
 
-WORK_PER_CHUNK = 1 << 17   # multiply-adds per chunk of the conv kernels
-PIX_PER_CHUNK = 1 << 14    # channel values per chunk of the per-pixel kernels
+WORK_PER_CHUNK = 1 << 20   # multiply-adds per chunk of the conv kernels
+PIX_PER_CHUNK = 1 << 16    # channel values per chunk of the per-pixel kernels
 PIX_BLOCK = 8192           # output pixels per partial sum of a weight gradient
 
 
@@ -246,7 +246,7 @@ def conv_forward(ctx, x: RawTensor, w: RawTensor, g: Geo, layout: str, bias=None
     xs = _map3(x)
     if g.depthwise:
         return _dw_run(ctx, xs, _dw_weight(ctx, w, g, layout), g, bias=bias, relu=relu, state=state), xs
-    if layout == "oc" and wino_eligible(g):
+    if layout == "oc" and wino_pays(g):
         return wino_conv(ctx, xs, wino_weights(ctx, w, 2), 2, g, bias, relu), xs
     addr, bstr, keep = _weight_for_forward(ctx, w, g, layout)
     out = _gemm_conv(ctx, xs, g, addr, bstr, bias, relu, state)
@@ -276,7 +276,7 @@ def conv_grad_input(ctx, gy: RawTensor, w: RawTensor, g: Geo, layout: str) -> Ra
     """dx [H, W, Cin] for the output gradient gy [OH, OW, Cout]."""
     if g.depthwise:
         return _dw_grad_input(ctx, gy, _dw_weight(ctx, w, g, layout), g)
-    if layout == "oc" and wino_eligible(g):
+    if layout == "oc" and wino_pays(g):
         return wino_conv(ctx, gy, wino_weights(ctx, w, 2, flip=True), 2, _grad_geo(g, gy.shape))
     src = _grad_source(ctx, gy, g)
     T, ci, co = g.taps, g.cinpg, g.coutpg
@@ -507,14 +507,22 @@ def chan_backward(ctx, op: str, x: RawTensor, gy: RawTensor, p: RawTensor):
 # ---------------------------------------------------------------------------------------------
 # Winograd (conv2d_prepared)
 
-WINO_MIN_CHANNELS = 8    # fewer input or output channels: the direct kernel is faster
+WINO_MIN_CHANNELS = 16   # conv2d's own Winograd route (measured crossovers, weight transform
+WINO_MIN_PIXELS = 256    # included): fewer channels either side or output pixels: direct
 
 
 def wino_eligible(g: Geo) -> bool:
-    """3x3, stride 1, no dilation, one group, enough channels for the batched GEMMs (any
-    padding: the input transform reads zeros off the map)."""
+    """A Winograd F(m, 3) shape: 3x3, stride 1, no dilation, one group (any padding: the input
+    transform reads zeros off the map)."""
     return (g.groups == 1 and g.kh == 3 and g.kw == 3 and g.sh == 1 and g.sw == 1 and
-            g.dh == 1 and g.dw == 1 and min(g.Cin, g.Cout) >= WINO_MIN_CHANNELS)
+            g.dh == 1 and g.dw == 1)
+
+
+def wino_pays(g: Geo) -> bool:
+    """conv2d's route: a Winograd shape with enough channels and pixels to beat the direct
+    kernel, the per-call weight transform included."""
+    return (wino_eligible(g) and min(g.Cin, g.Cout) >= WINO_MIN_CHANNELS
+            and g.OH * g.OW >= WINO_MIN_PIXELS)
 
 
 def wino_tile(g: Geo) -> int:
