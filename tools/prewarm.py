@@ -4,7 +4,7 @@
     python -m tools.prewarm --workload tests      # tools/manifests/tests.jsonl
     python -m tools.prewarm --manifest my.jsonl   # an explicit manifest (repeatable)
     python -m tools.prewarm --check               # is every key warm? compiles nothing
-    python -m tools.prewarm --record tests        # re-record tools/manifests/tests.jsonl
+    python -m tools.prewarm --record tests        # re-record tools/manifests/tests.jsonl (also: tour, demo)
 
 A manifest holds one kernel key per line, as `KernelKey.to_json()` writes it; a run records one
 with FUCINA_RECORD_MANIFEST=path. Keys not yet in the cache are compiled in parallel worker
@@ -34,6 +34,7 @@ SHOW = 10  # how many missing / failed keys to print
 WORKLOADS = {
     "tests": ["-m", "pytest", "-q", "tests"],
     "tour": ["-m", "examples.tour"],
+    "demo": ["-m", "examples.spirals"],
 }
 
 
