@@ -13,6 +13,7 @@ Gradients are read where the autograd engine accumulates them, the variable's le
 """
 from __future__ import annotations
 
+import abc
 import math
 import struct
 from typing import ClassVar
@@ -125,7 +126,7 @@ class Slot:
         return repr(self.name) if self.name is not None else f"param{index}"
 
 
-class Optimizer:
+class Optimizer(abc.ABC):
     """Base of SGD, Adam, AdamW (and Muon, Apollo). See the module docstring."""
 
     Config: ClassVar[type]
@@ -296,11 +297,13 @@ class Optimizer:
         """Per-step scalars shared by every slot (override)."""
         return None
 
+    @abc.abstractmethod
     def _init_state(self, slot: Slot) -> dict:
-        raise NotImplementedError(f"{type(self).__name__} must define _init_state")
+        """The zero-initialised state buffers of a new slot, by record name."""
 
+    @abc.abstractmethod
     def _update(self, slot: Slot, grad: RawTensor, prep) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must define _update")
+        """One slot's update (usually one fused kernel launch)."""
 
     def _header(self) -> list:
         """The pinned structural config fields: [(wire kind, value, label)] (lr never is)."""
