@@ -83,14 +83,17 @@ def _one(label, shapes, kind, options, per_param, target, threads, quick, torch_
             tgt = target if mode == "fused" else 1.0
             what = f"{kind}{' momentum 0.9' if kind == 'SGD' else ''}, {state}, {label}" \
                    + (f" vs torch {mode}=True" if mode else "")
+            met = None if ts is None else ts >= tgt * f
             out.append(C.row(
                 GROUP, what, threads, f, ts,
-                target=f"≥ {tgt:g}× PyTorch" if mode else "", met=None if ts is None else ts >= tgt * f,
+                target=f"≥ {tgt:g}× PyTorch" if mode else "", met=met,
                 note=f"memory-traffic floor {floor * 1e3:.2f} ms ({per_param} B/param at "
                      f"{bw / 1e9:.0f} GB/s, STREAM scale); speed vs the floor: Fucina "
                      f"median {floor / f:.0%}, best block {floor / tm['fucina'].best:.0%}"
                      + (f"; torch median {floor / ts:.0%}, best {floor / tm[mode].best:.0%}"
                         if ts else "") + f"; {load}"))
+            # two bandwidth-bound loops at one speed: losing by < 2 % is parity (common.PARITY)
+            out[-1]["parity"] = met is False and tgt == 1.0 and ts / f >= C.PARITY
         del stmts, ws, opt
     finally:
         ctx.close()
