@@ -32,5 +32,17 @@ __all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_man
            "GradcheckResult", *_errors]
 for _family in (_attention, _checkpoint, _conv, _gather_scatter, _selection):
     __all__ += _family.__all__
-from . import es, gguf, io, optim  # noqa: E402  (the training layer sits on everything above)
-__all__ += ["es", "gguf", "io", "optim"]
+_TRAINING = ("es", "gguf", "io", "optim")  # the training layer: imported on first use
+__all__ += list(_TRAINING)
+
+
+def __getattr__(name):
+    """`fu.optim`, `fu.io`, `fu.es`, `fu.gguf` load when first touched, so `import fucina`
+    stays fast for code that never trains."""
+    if name in _TRAINING:
+        import importlib
+
+        module = importlib.import_module(f".{name}", __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'fucina' has no attribute {name!r}")

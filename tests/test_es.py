@@ -17,6 +17,7 @@ import fucina.es as es
 from conftest import assert_bitwise
 from fucina.exec import es as xes
 from fucina.io import ParamRegistry
+from test_rng import gaussian_fast, mix
 
 MASK = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -28,64 +29,13 @@ f32 = np.float32
 # oracle
 
 
-def mix(z):
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
-    return z ^ (z >> 31)
-
-
 def at(seed, i):
     return mix((seed + ((i + 1) * GAMMA & MASK)) & MASK)
 
 
-def ln_poly(x):
-    bits = x.view(np.uint32)
-    e = ((bits >> np.uint32(23)).astype(np.int32) - np.int32(126)).astype(f32)
-    m = ((bits & np.uint32(0x007FFFFF)) | np.uint32(0x3F000000)).view(f32)
-    low = m < f32(0.7071067811865476)
-    e = np.where(low, e - f32(1), e)
-    m = np.where(low, m + m, m)
-    f = m - f32(1)
-    z = f * f
-    p = np.full_like(f, f32(7.0376836292e-2))
-    for c in [-1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1,
-              -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1]:
-        p = p * f + f32(c)
-    y = f * z * p
-    y = y + e * f32(-2.12194440e-4)
-    y = y - f32(0.5) * z
-    y = f + y
-    return y + e * f32(0.693359375)
-
-
-def sin_cos_turn(ub):
-    t4 = ub * f32(4)
-    jf = np.floor(t4 + f32(0.5))
-    arg = (t4 - jf) * f32(1.5707963267948966)
-    z = arg * arg
-    sp = (f32(-1.9515295891e-4) * z + f32(8.3321608736e-3)) * z + f32(-1.6666654611e-1)
-    sin_a = arg + arg * z * sp
-    cp = (f32(2.443315711809948e-5) * z + f32(-1.388731625493765e-3)) * z + f32(4.166664568298827e-2)
-    cos_a = f32(1) - f32(0.5) * z + z * z * cp
-    q = jf.astype(np.uint32) & np.uint32(3)
-    swap = (q & np.uint32(1)) != 0
-    sin_b, cos_b = np.where(swap, cos_a, sin_a), np.where(swap, sin_a, cos_a)
-    return (np.where((q & np.uint32(2)) != 0, -sin_b, sin_b),
-            np.where(((q + np.uint32(1)) & np.uint32(2)) != 0, -cos_b, cos_b))
-
-
 def noise(seed, n):
-    """RNG-7 gaussian_fill_at_fast(seed, 0, n values, scale 1)."""
-    pairs = (n + 1) // 2
-    a = np.array([at(seed, 2 * p) >> 11 for p in range(pairs)], dtype=np.float64)
-    b = np.array([at(seed, 2 * p + 1) >> 11 for p in range(pairs)], dtype=np.float64)
-    ua = ((a + 1.0) * 2.0 ** -53).astype(f32)
-    ub = (b * 2.0 ** -53).astype(f32)
-    radius = np.sqrt(f32(-2) * ln_poly(ua))
-    sin, cos = sin_cos_turn(ub)
-    out = np.empty(2 * pairs, f32)
-    out[0::2], out[1::2] = radius * cos, radius * sin
-    return out[:n]
+    """RNG-7 gaussian_fill_at_fast(seed, 0, n values, scale 1): test_rng's transcription."""
+    return gaussian_fast(seed, 0, n, 1.0)
 
 
 def bf16_round(x):

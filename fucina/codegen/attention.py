@@ -47,11 +47,8 @@ class AttentionKey(KernelKey):
     def ir(self, symbol: str) -> str:
         if self.op not in OPS:
             raise ValueError(f"attention kernel: unknown op {self.op!r}")
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        {"online": _online, "finish": _finish, "probs": _probs, "dscores": _dscores,
-         "rowdot": _rowdot}[self.op](self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, {"online": _online, "finish": _finish, "probs": _probs,
+                                 "dscores": _dscores, "rowdot": _rowdot}[self.op], self)
 
 
 def _rows(b, c0, c1, per, R):

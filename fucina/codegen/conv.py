@@ -153,10 +153,7 @@ class ConvKey(KernelKey):
     rn: int
 
     def ir(self, symbol: str) -> str:
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _conv(self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _conv, self)
 
 
 def _pixel(b, x, state, hist, H, W, C, iy, ix):
@@ -267,10 +264,7 @@ class ConvWgradKey(KernelKey):
     rn: int
 
     def ir(self, symbol: str) -> str:
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _wgrad(self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _wgrad, self)
 
 
 def _wgrad(key, b, args, c0, c1):
@@ -387,10 +381,7 @@ class DepthwiseKey(KernelKey):
     family = "conv_dw"
 
     def ir(self, symbol: str) -> str:
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _depthwise(b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _depthwise)
 
 
 def _depthwise(b, args, c0, c1):
@@ -451,10 +442,7 @@ class DepthwiseWgradKey(KernelKey):
     family = "conv_dw_wgrad"
 
     def ir(self, symbol: str) -> str:
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _dw_wgrad(b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _dw_wgrad)
 
 
 def _dw_wgrad(b, args, c0, c1):
@@ -517,10 +505,7 @@ class PoolKey(KernelKey):
     def ir(self, symbol: str) -> str:
         if self.op not in POOL_OPS:
             raise ValueError(f"pool kernel: unknown op {self.op!r}")
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _pool(self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _pool, self)
 
 
 def _pool(key, b, args, c0, c1):
@@ -593,10 +578,7 @@ class PoolGradKey(KernelKey):
     def ir(self, symbol: str) -> str:
         if self.op not in POOL_OPS:
             raise ValueError(f"pool kernel: unknown op {self.op!r}")
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _pool_grad(self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _pool_grad, self)
 
 
 def _covering(b, i, p, k, s, n_out):
@@ -685,10 +667,7 @@ class FoldKey(KernelKey):
     def ir(self, symbol: str) -> str:
         if self.op not in FOLD_OPS:
             raise ValueError(f"fold kernel: unknown op {self.op!r}")
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        {"unfold": _unfold, "fold": _fold, "spread": _spread}[self.op](b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, {"unfold": _unfold, "fold": _fold, "spread": _spread}[self.op])
 
 
 def _copy_row(b, dst, src, C):
@@ -805,10 +784,7 @@ class ChanKey(KernelKey):
     def ir(self, symbol: str) -> str:
         if self.op not in CHAN_OPS:
             raise ValueError(f"channel kernel: unknown op {self.op!r}")
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        (_chan_bwd if self.bwd else _chan_fwd)(self.op, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _chan_bwd if self.bwd else _chan_fwd, self.op)
 
 
 def _chan_fwd(op, b, args, c0, c1):

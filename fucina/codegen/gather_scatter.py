@@ -461,10 +461,7 @@ class CompactKey(KernelKey):
     mask: str = ""
 
     def ir(self, symbol: str) -> str:
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _compact(self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _compact, self)
 
 
 def _popcount(b, m):

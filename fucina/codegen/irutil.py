@@ -62,6 +62,15 @@ def kernel(symbol: str):
     return mod, b, fn.args[0], fn.args[1], fn.args[2]
 
 
+def module(symbol: str, body, *first) -> str:
+    """The IR text of a one-function kernel module: body(*first, b, args, c0, c1) emits the
+    body, this adds the return."""
+    mod, b, args, c0, c1 = kernel(symbol)
+    body(*first, b, args, c0, c1)
+    b.ret_void()
+    return str(mod)
+
+
 def arg(b: ir.IRBuilder, args, i: int) -> ir.Value:
     """args[i] as i64."""
     p = b.gep(args, [i64(i)], source_etype=I64)

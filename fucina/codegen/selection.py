@@ -439,10 +439,7 @@ class SortKey(KernelKey):
     mode: str = "sort"
 
     def ir(self, symbol: str) -> str:
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        _sort(self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, _sort, self)
 
 
 def _key_of(b, v, flip):

@@ -66,12 +66,9 @@ class SoftmaxKey(KernelKey):
     def ir(self, symbol: str) -> str:
         if self.op not in OPS:
             raise ValueError(f"softmax kernel: unknown op {self.op!r}")
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        {"softmax": _softmax, "log_softmax": _lse, "logsumexp": _lse, "softmax_bwd": _softmax_bwd,
-         "log_softmax_bwd": _log_softmax_bwd, "logsumexp_bwd": _logsumexp_bwd}[self.op](
-            self, b, args, c0, c1)
-        b.ret_void()
-        return str(mod)
+        return u.module(symbol, {"softmax": _softmax, "log_softmax": _lse, "logsumexp": _lse,
+                                 "softmax_bwd": _softmax_bwd, "log_softmax_bwd": _log_softmax_bwd,
+                                 "logsumexp_bwd": _logsumexp_bwd}[self.op], self)
 
 
 class Digit:

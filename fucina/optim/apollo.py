@@ -42,7 +42,7 @@ from ..exec import optim as xo
 from ..exec import optim_lowrank as xl
 from ..exec.matmul import gemm
 from . import frames
-from .base import Optimizer, StateBuf, slots_version
+from .base import Optimizer, StateBuf, WithFallback, slots_version
 from .frames import V3, V5, Magics, StateDType, f32
 
 SCALE_TYPES = ("channel", "tensor")  # index = the frame's u8 scale_type code
@@ -113,7 +113,7 @@ class _HfAdamW(Optimizer):
                     st["m"].addr, st["v"].addr, scalars)
 
 
-class Apollo(Optimizer):
+class Apollo(WithFallback):
     """`fu.optim.Apollo(lr=0.01, rank=128, update_proj_gap=200, ...)`, `Apollo(ApolloConfig(...))`
     or `Apollo(ApolloConfig.mini(lr=0.005))`. APOLLO recipes train without global clipping (the
     norm-growth limiter replaces it); clip_grad_norm still spans both lists."""
@@ -151,22 +151,9 @@ class Apollo(Optimizer):
         super().close()
 
     # ---- registration ----
-    def add_param(self, t, name: str | None = None) -> None:
+    def _main(self, slot) -> bool:
         """Raw rank == 2 → the low-rank path; anything else → the legacy-HF AdamW fallback."""
-        self._live("add_param")
-        slot = self._new_slot(t, name, "add_param")
-        (self._register if slot.raw_rank == 2 else self.fallback._register)(slot)
-
-    def add_fallback_param(self, t, name: str | None = None) -> None:
-        """Force the fallback (embeddings, output/classifier heads)."""
-        self._live("add_fallback_param")
-        self.fallback._register(self._new_slot(t, name, "add_fallback_param"))
-
-    def owns(self, leaf) -> bool:
-        return leaf in self._leaves or self.fallback.owns(leaf)
-
-    def all_slots(self):
-        return self.slots + self.fallback.slots
+        return slot.raw_rank == 2
 
     def _init_state(self, slot):
         c = self.config

@@ -415,6 +415,31 @@ class Optimizer(abc.ABC):
         """Per-slot hook after a committed load (Apollo regenerates its projection)."""
 
 
+class WithFallback(Optimizer):
+    """An optimizer with an embedded fallback optimizer (`self.fallback`, Muon's and Apollo's
+    AdamW): add_param routes a slot by `_main(slot)`, add_fallback_param forces the fallback
+    (embeddings, output/classifier heads); duplicates, norms and clipping span both."""
+
+    @abc.abstractmethod
+    def _main(self, slot: Slot) -> bool:
+        """Does add_param put this slot on the main path?"""
+
+    def add_param(self, t, name: str | None = None) -> None:
+        self._live("add_param")
+        slot = self._new_slot(t, name, "add_param")
+        (self._register if self._main(slot) else self.fallback._register)(slot)
+
+    def add_fallback_param(self, t, name: str | None = None) -> None:
+        self._live("add_fallback_param")
+        self.fallback._register(self._new_slot(t, name, "add_fallback_param"))
+
+    def owns(self, leaf) -> bool:
+        return leaf in self._leaves or self.fallback.owns(leaf)
+
+    def all_slots(self):
+        return self.slots + self.fallback.slots
+
+
 def _from_wire(kind: str, v: int):
     if kind == "f32":
         return struct.unpack("<f", struct.pack("<I", v))[0]

@@ -34,7 +34,7 @@ from ..errors import DTypeError, InvalidShape, UnsupportedGradient
 from ..exec import optim_lowrank as xl
 from . import frames
 from .adam import AdamW, AdamWConfig
-from .base import Optimizer, StateBuf
+from .base import StateBuf, WithFallback
 from .frames import Magics, StateDType, f32
 
 SCALES = ("spectral", "match_rms_adamw")  # index = the frame's u8 scale code
@@ -94,7 +94,7 @@ def lr_eff(config: MuonConfig, rows: int, cols: int) -> float:
     raise ValueError(f"Muon: expected scale in {SCALES}, got {config.scale!r}")
 
 
-class Muon(Optimizer):
+class Muon(WithFallback):
     """`fu.optim.Muon(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
     scale="spectral", state_dtype=..., fallback=AdamWConfig(...))` or `Muon(MuonConfig(...))`.
     `muon.fallback` is the embedded AdamW (its config is `muon.config.fallback`)."""
@@ -123,22 +123,9 @@ class Muon(Optimizer):
         super().close()
 
     # ---- registration: two paths, one identity check ----
-    def add_param(self, t, name: str | None = None) -> None:
+    def _main(self, slot) -> bool:
         """Raw rank >= 2 → Muon; 0-D / 1-D → the AdamW fallback."""
-        self._live("add_param")
-        slot = self._new_slot(t, name, "add_param")
-        (self._register if slot.raw_rank >= 2 else self.fallback._register)(slot)
-
-    def add_fallback_param(self, t, name: str | None = None) -> None:
-        """Force the AdamW fallback (embeddings, output/classifier heads)."""
-        self._live("add_fallback_param")
-        self.fallback._register(self._new_slot(t, name, "add_fallback_param"))
-
-    def owns(self, leaf) -> bool:
-        return leaf in self._leaves or self.fallback.owns(leaf)
-
-    def all_slots(self):
-        return self.slots + self.fallback.slots
+        return slot.raw_rank >= 2
 
     # ---- stepping ----
     def step(self) -> None:
