@@ -85,6 +85,26 @@ def test_no_grad_and_detach_and_pruning(ctx):
     assert x.grad().numpy().tolist() == [1.0, 2.0]
 
 
+def test_each_leaf_owns_its_gradient(ctx):
+    """add hands both operands one buffer and backward(grad=G) starts from the caller's G: every
+    leaf still gets its own accumulator, so scaling one gradient touches nothing else."""
+    a, b = ctx.variable([1.0, 2.0], ("n",)), ctx.variable([3.0, 4.0], ("n",))
+    seed = ctx.tensor([1.0, 2.0], ("n",))
+    (a + b).backward(grad=seed)
+    c = ctx.variable([5.0, 6.0], ("n",))
+    c.backward(grad=seed)  # the root is the leaf itself: its gradient is the seed's values
+    ga, gb, gc = a.grad_view(), b.grad_view(), c.grad_view()
+    addrs = {t._raw.addr for t in (ga, gb, gc, seed)}
+    assert len(addrs) == 4
+    opt = fu.optim.SGD(lr=1.0)
+    for name, w in (("a", a), ("b", b), ("c", c)):
+        opt.add_param(w, name=name)
+    opt.scale_gradients(0.5)
+    for w in (a, b, c):
+        assert w.grad().numpy().tolist() == [0.5, 1.0]
+    assert seed.numpy().tolist() == [1.0, 2.0]
+
+
 def test_grad_view_is_a_snapshot_and_grad_a_copy(ctx):
     w = ctx.variable([1.0], ("n",))
     w.scale(2.0).sum_all().backward()

@@ -113,12 +113,13 @@ def backward(root, seed) -> None:
     ctx = seed.ctx
     grads = {root: seed}
     ready = deque([root])
+    shared = {id(seed.buf)}  # buffers a leaf may not adopt: the caller's seed, other leaves' grads
     while ready:
         node = ready.popleft()
         g = grads.pop(node)
         if isinstance(node, Leaf):
-            g = ew.materialize(ctx, g) if g.dtype == "f32" else ew.cast(ctx, g, "f32")
-            node.grad = g if node.grad is None else add_into(ctx, node.grad, g)
+            node.grad = _own(ctx, g, shared) if node.grad is None else add_into(ctx, node.grad, g)
+            shared.add(id(node.grad.buf))
             continue
         outs = node.vjp(g)
         node.consumed = True
@@ -135,6 +136,18 @@ def backward(root, seed) -> None:
                     ready.append(parent)
                 elif not isinstance(parent, Leaf):  # nothing flowed in: its subtree gets nothing
                     _drain(parent, ready, grads)
+
+
+def _own(ctx, g, shared):
+    """g as a leaf's own f32 accumulator. A VJP may pass one buffer to several operands (add
+    gives both the same g) or hand back the seed itself; a leaf adopts a buffer only when no
+    other leaf holds it and the caller did not give it, otherwise it gets a copy, so clipping or
+    accumulating into one gradient never changes another, or the caller's seed."""
+    if g.dtype != "f32":
+        return ew.cast(ctx, g, "f32")
+    if id(g.buf) in shared:
+        return ew.run(ctx, "copy", "f32", g.shape, [g])
+    return ew.materialize(ctx, g)
 
 
 def _drain(node, ready, grads):

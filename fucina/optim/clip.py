@@ -34,14 +34,9 @@ def grad_squared_norm(grads) -> float:
 
 
 def scale_grads(grads, factor: float) -> None:
-    """g *= f32(factor) for every distinct gradient buffer (two leaves may share one: the
-    backward of `a + b` hands both operands the same gradient)."""
-    done = set()
+    """g *= f32(factor) for every gradient (each leaf owns its accumulator: ag/engine.py)."""
     for g in grads:
-        k = (g.addr, g.numel)
-        if k not in done:
-            done.add(k)
-            xo.scale_(g.ctx, g, factor)
+        xo.scale_(g.ctx, g, factor)
 
 
 def clip(grads, squared_norm: float, max_norm: float) -> float:
