@@ -542,6 +542,34 @@ def test_thread_id_both_participants_on_a_large_job(team2):
         pytest.fail("the worker never took a chunk")
 
 
+def test_each_participant_streams_its_own_range_first():
+    """A job is cut into one contiguous range per participant (caller 0, worker i); each drains
+    its own range in ascending order before it helps with another's, so in the common case a
+    thread walks one contiguous stretch of memory."""
+    for threads in (2, 3):
+        team = rt.Team(threads)
+        n = 60
+        for _attempt in range(10):
+            out = np.full(2 * n, -1, np.int64)
+            rt.launch(team, kaddr("stamp"), n, HUGE_COST, out.ctypes.data, 100)  # 100 us/chunk
+            who, start = out[0::2], out[1::2]
+            assert set(who.tolist()) <= set(range(threads))
+            owner = np.arange(n) * threads // n  # chunk c lies in range floor(c*T/n)
+            for p in set(who.tolist()):
+                mine = start[(who == p) & (owner == p)]
+                theirs = start[(who == p) & (owner != p)]
+                if len(mine) and len(theirs):
+                    assert mine.max() < theirs.min()
+            for p in set(who.tolist()):  # a participant claims lowest first within a range
+                for r in range(threads):
+                    assert (np.diff(start[(who == p) & (owner == r)]) > 0).all()
+            if len(set(who.tolist())) == threads:
+                break
+        else:
+            pytest.fail("the workers never took a chunk")
+        team.close()
+
+
 def test_thread_id_small_job_runs_on_caller_only(team2):
     ids = np.full(64, -1, np.int64)
     for _ in range(50):
