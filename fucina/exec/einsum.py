@@ -10,7 +10,7 @@ from ..errors import ShapeMismatch, TagError
 from . import elementwise as ew
 from . import reduce as red
 from .matmul import gemm
-from .raw import MAX_RANK, RawTensor
+from .raw import MAX_RANK, RawTensor, contiguous_strides
 
 
 class Roles:
@@ -70,33 +70,75 @@ def _merge(shape, strides):
     return size, (stride if stride is not None else 0)
 
 
-def _group_view(x: RawTensor, tags: tuple, groups):
-    """View x as one axis per group of tags (batch tags stay separate axes). Returns the view
-    or None when some group's strides do not chain."""
-    shape, strides = [], []
+def _grouping(shape, strides, tags, groups):
+    """(shape, strides) of one axis per group of tags (a batch tag stays its own axis), or None
+    when some group's strides do not chain."""
+    out_shape, out_strides = [], []
     for g in groups:
-        if isinstance(g, str):  # a batch tag: its own axis
+        if isinstance(g, str):
             i = tags.index(g)
-            shape.append(x.shape[i])
-            strides.append(x.strides[i])
+            out_shape.append(shape[i])
+            out_strides.append(strides[i])
             continue
         idx = [tags.index(t) for t in g]
-        m = _merge([x.shape[i] for i in idx], [x.strides[i] for i in idx])
+        m = _merge([shape[i] for i in idx], [strides[i] for i in idx])
         if m is None:
             return None
-        shape.append(m[0])
-        strides.append(m[1])
-    return x.view(shape, strides)
+        out_shape.append(m[0])
+        out_strides.append(m[1])
+    return tuple(out_shape), tuple(out_strides)
 
 
-def _operand(ctx, x, tags, groups):
-    """x as [batch..., G1, G2] per `groups`, copying into that axis order if it must."""
-    v = _group_view(x, tags, groups)
-    if v is not None:
-        return v
-    order = [t for g in groups for t in ([g] if isinstance(g, str) else g)]
-    xp = ew.materialize(ctx, x.permute([tags.index(t) for t in order]))
-    return _group_view(xp, tuple(order), groups)
+class _Side:
+    """How one operand becomes [batch..., G1, G2]: a view (perm None), or a copy into the axis
+    order `perm` first, then a view of that contiguous copy."""
+
+    __slots__ = ("perm", "shape", "strides")
+
+    def __init__(self, shape, strides, tags, groups):
+        self.perm = None
+        v = _grouping(shape, strides, tags, groups)
+        if v is None:
+            order = [t for g in groups for t in ([g] if isinstance(g, str) else g)]
+            self.perm = [tags.index(t) for t in order]
+            v = _grouping(tuple(shape[p] for p in self.perm), _contig([shape[p] for p in self.perm]),
+                          tuple(order), groups)
+        self.shape, self.strides = v
+
+    def apply(self, ctx, x):
+        if self.perm is not None:
+            x = ew.materialize(ctx, x.permute(self.perm))
+        return x.view(self.shape, self.strides)
+
+
+class _Plan:
+    """Everything einsum decides from tags, shapes and strides alone (cached: a training step
+    repeats the same few contractions): operand swap, both sides' views, the result's shape and
+    the permutation into out_tags order (None when the GEMM lands in it directly)."""
+
+    __slots__ = ("swap", "x", "y", "full", "perm")
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(xtags, xshape, xstrides, ytags, yshape, ystrides, ydtype, out_tags):
+    r = einsum_roles("einsum", xtags, xshape, ytags, yshape, out_tags)
+    if r.lsum or r.rsum:
+        return None  # private dropped axes are summed away first: the general path
+    p = _Plan()
+    natural = tuple(r.batch) + tuple(r.lfree) + tuple(r.rfree)
+    swapped = tuple(r.batch) + tuple(r.rfree) + tuple(r.lfree)
+    p.swap = r.out != natural and r.out == swapped and ydtype == "f32"
+    if p.swap:  # C^T = B^T A^T lands in out order directly (gemm widens 16-bit operands only
+        # on its right side)
+        xtags, xshape, xstrides, ytags, yshape, ystrides = ytags, yshape, ystrides, xtags, xshape, xstrides
+        r = einsum_roles("einsum", xtags, xshape, ytags, yshape, r.out)
+        natural = swapped
+    b = list(r.batch)
+    p.x = _Side(xshape, xstrides, xtags, b + [tuple(r.lfree), tuple(r.contract)])
+    p.y = _Side(yshape, ystrides, ytags, b + [tuple(r.contract), tuple(r.rfree)])
+    p.full = tuple(r.sizes[t] for t in natural)
+    p.perm = None if r.out == natural else [natural.index(t) for t in r.out]
+    return p
 
 
 def _sum_away(ctx, x, tags, drop):
@@ -113,31 +155,24 @@ def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags
            out: RawTensor | None = None, accumulate: bool = False) -> RawTensor:
     """result[out_tags] = sum over the other tags of x * y (A-5), contiguous in out_tags order.
     With out= (contiguous, out_tags order) and accumulate=True: out += x.y."""
-    r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, tuple(out_tags))
-    if r.lsum:
+    out_tags = tuple(out_tags)
+    p = _plan(xtags, x.shape, x.strides, ytags, y.shape, y.strides, y.dtype, out_tags)
+    if p is None:
+        r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, out_tags)
         x, xtags = _sum_away(ctx, x, xtags, r.lsum)
-    if r.rsum:
         y, ytags = _sum_away(ctx, y, ytags, r.rsum)
-    natural = tuple(r.batch) + tuple(r.lfree) + tuple(r.rfree)
-    swapped = tuple(r.batch) + tuple(r.rfree) + tuple(r.lfree)
-    if r.out != natural and r.out == swapped and y.dtype == "f32":  # C^T = B^T A^T lands in out
-        # order directly (gemm widens 16-bit operands only on its right side)
-        x, xtags, y, ytags = y, ytags, x, xtags
-        r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, r.out)
-        natural = swapped
-    b = list(r.batch)
-    xv = _operand(ctx, x, xtags, b + [tuple(r.lfree), tuple(r.contract)])
-    yv = _operand(ctx, y, ytags, b + [tuple(r.contract), tuple(r.rfree)])
-    full = tuple(r.sizes[t] for t in natural)
-    if r.out == natural:
+        return einsum(ctx, x, xtags, y, ytags, out_tags, out, accumulate)
+    if p.swap:
+        x, y = y, x
+    xv, yv = p.x.apply(ctx, x), p.y.apply(ctx, y)
+    full = p.full
+    if p.perm is None:
         target = None if out is None else out.view(xv.shape[:-1] + yv.shape[-1:],
                                                    _contig(xv.shape[:-1] + yv.shape[-1:]))
         c = gemm(ctx, xv, yv, target, accumulate)
         return c.view(full, _contig(full)) if out is None else out
     c = gemm(ctx, xv, yv)
-    c = c.view(full, _contig(full))
-    perm = [natural.index(t) for t in r.out]
-    shaped = c.permute(perm)
+    shaped = c.view(full, _contig(full)).permute(p.perm)
     if out is None:
         return ew.materialize(ctx, shaped)
     if accumulate:
@@ -146,6 +181,4 @@ def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags
 
 
 def _contig(shape):
-    from .raw import contiguous_strides
-
     return contiguous_strides(tuple(shape))
