@@ -41,6 +41,7 @@ from . import irutil as u
 from .emit import sqrt
 from .kernels import KernelKey, register
 from .rng import TWO_M53, _interleave, at, cf, ci, ln_poly, sin_cos_turn, u53
+from .rows import chunk_pass
 from .target import host
 
 DTYPES = ("f32", "f16", "bf16")
@@ -67,20 +68,6 @@ def noise_pairs(b, seed, pb, L: int):
 def to_dtype(b, v, dtype: str):
     """Round an f32 value to `dtype` and widen it back (identity for f32)."""
     return v if dtype == "f32" else u.widen(b, u.narrow(b, v, dtype), dtype)
-
-
-def _elements(b, c0, c1, n, chunk, W: int, body):
-    """body(e, mask) over the elements of chunks [c0, c1): full steps of W (mask None), then
-    one masked tail. chunk is a multiple of W, so every step starts on an even element."""
-    e0 = b.mul(c0, chunk)
-    e1 = u.smin(b, b.mul(c1, chunk), n)
-    count = b.sub(e1, e0)
-    full = b.add(e0, b.sub(count, b.srem(count, u.i64(W))))
-    with u.Loop(b, e0, full, W, "e") as e:
-        body(e, None)
-    rest = b.sub(e1, full)
-    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-        body(full, u.tail_mask(b, rest, W))
 
 
 @register
@@ -113,7 +100,7 @@ class EsPerturbKey(KernelKey):
             p = u.load(b, src, e, dt, W, mask)
             u.store(b, b.fadd(p, t), dst, e, dt, mask)
 
-        _elements(b, c0, c1, n, chunk, W, body)
+        chunk_pass(b, c0, c1, n, chunk, W, body)
         b.ret_void()
         return str(mod)
 
@@ -146,7 +133,7 @@ class EsMembersKey(KernelKey):
                 p = u.load(b, src, e, dt, W, mask)
                 u.store(b, b.fadd(p, t), out, e, dt, mask)
 
-            _elements(b, cc, b.add(cc, u.i64(1)), n, chunk, W, body)
+            chunk_pass(b, cc, b.add(cc, u.i64(1)), n, chunk, W, body)
         b.ret_void()
         return str(mod)
 
@@ -200,7 +187,7 @@ class EsUpdateKey(KernelKey):
                 p = b.fadd(shrunk, a)
             u.store(b, p, p_ptr, e, dt, mask)
 
-        _elements(b, c0, c1, n, chunk, W, body)
+        chunk_pass(b, c0, c1, n, chunk, W, body)
         b.ret_void()
         return str(mod)
 
@@ -221,6 +208,6 @@ class EsCopyKey(KernelKey):
         def body(e, mask):
             u.store(b, u.load(b, src, e, "bool", W, mask), dst, e, "bool", mask)
 
-        _elements(b, c0, c1, n, chunk, W, body)
+        chunk_pass(b, c0, c1, n, chunk, W, body)
         b.ret_void()
         return str(mod)

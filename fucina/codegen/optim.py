@@ -39,7 +39,7 @@ from llvmlite import ir
 from . import irutil as u
 from .emit import sqrt
 from .kernels import KernelKey, register
-from .rows import map_pass
+from .rows import chunk_pass
 from .target import host
 
 F64 = ir.DoubleType()
@@ -147,7 +147,7 @@ PREFETCH = 2048  # elements ahead of the software prefetch (see AdamKey.ir)
 
 
 def _update_kernel(symbol, nptrs, nscalars, body, streams=()):
-    """The shared frame: pointer args, n, chunk, f32 scalars (splatted), one map_pass over the
+    """The shared frame: pointer args, n, chunk, f32 scalars (splatted), one chunk_pass over the
     elements of chunks [c0, c1); body(b, ptrs, scalars, c, W, mask). streams: the (pointer
     index, dtype) to prefetch PREFETCH elements ahead (none: the hardware prefetcher alone)."""
     mod, b, args, c0, c1 = u.kernel(symbol)
@@ -155,7 +155,6 @@ def _update_kernel(symbol, nptrs, nscalars, body, streams=()):
     ptrs = [u.arg_ptr(b, args, i) for i in range(nptrs)]
     n, chunk = u.arg(b, args, nptrs), u.arg(b, args, nptrs + 1)
     scalars = [u.splat(b, u.arg_f32(b, args, nptrs + 2 + k), W) for k in range(nscalars)]
-    start, stop = b.mul(c0, chunk), u.smin(b, b.mul(c1, chunk), n)
 
     def step(c, mask):
         if mask is None:  # a prefetch never faults, past the end included
@@ -165,7 +164,7 @@ def _update_kernel(symbol, nptrs, nscalars, body, streams=()):
                 u.intrinsic(b, "llvm.prefetch", u.VOID, [q, ir.Constant(u.I32, 0),
                             ir.Constant(u.I32, 3), ir.Constant(u.I32, 1)], types=[u.PTR])
         body(b, ptrs, scalars, c, W, mask)
-    map_pass(b, start, stop, W, step)
+    chunk_pass(b, c0, c1, n, chunk, W, step)
     b.ret_void()
     return str(mod)
 

@@ -25,6 +25,7 @@ from llvmlite import ir
 
 from . import irutil as u
 from .kernels import KernelKey, register
+from .rows import chunk_pass
 from .target import host
 
 F64 = ir.DoubleType()
@@ -348,19 +349,6 @@ def sin_cos_turn(b, ub):
 # loop scaffolding
 
 
-def _element_range(b, c0, c1, n, chunk, lanes, emit):
-    """Elements [c0·chunk, min(c1·chunk, n)) in steps of `lanes` (chunk is a multiple of lanes),
-    then a masked tail: emit(i, mask) with mask None for a full step."""
-    e0 = b.mul(c0, chunk)
-    e1 = u.smin(b, b.mul(c1, chunk), n)
-    full = b.add(e0, b.mul(b.sdiv(b.sub(e1, e0), u.i64(lanes)), u.i64(lanes)))
-    with u.Loop(b, e0, full, lanes, "i") as i:
-        emit(i, None)
-    rest = b.sub(e1, full)
-    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-        emit(full, u.tail_mask(b, rest, lanes))
-
-
 def _while(b, cond, body, name="w"):
     """while cond(): body() — state lives in allocas (mem2reg lifts it)."""
     fn = b.function
@@ -456,7 +444,7 @@ class UniformFillKey(KernelKey):
             v = b.select(b.fcmp_ordered(">=", v, hi_v), below_v, v)
             u.store(b, v, out, i, "f32", mask)
 
-        _element_range(b, c0, c1, n, chunk, L, emit)
+        chunk_pass(b, c0, c1, n, chunk, L, emit)
         b.ret_void()
         return str(mod)
 
@@ -481,7 +469,7 @@ class GumbelFillKey(KernelKey):
             v = b.fneg(log64(b, b.fneg(log64(b, uu))))
             u.store(b, b.fptrunc(v, ir.VectorType(u.F32, L)), out, i, "f32", mask)
 
-        _element_range(b, c0, c1, n, chunk, L, emit)
+        chunk_pass(b, c0, c1, n, chunk, L, emit)
         b.ret_void()
         return str(mod)
 
@@ -643,7 +631,7 @@ class DropoutKey(KernelKey):
             v = u.load(b, x, i, self.dtype, L, mask)
             u.store(b, b.select(keep, b.fmul(v, s), zero), out, i, self.dtype, mask)
 
-        _element_range(b, c0, c1, n, chunk, L, emit)
+        chunk_pass(b, c0, c1, n, chunk, L, emit)
         b.ret_void()
         return str(mod)
 
@@ -786,6 +774,6 @@ class Math64Key(KernelKey):
                 y = s if self.fn == "sin" else c
             u.store(b, b.bitcast(y, ir.VectorType(u.I64, L)), out, i, "i64", mask)
 
-        _element_range(b, c0, c1, n, chunk, L, emit)
+        chunk_pass(b, c0, c1, n, chunk, L, emit)
         b.ret_void()
         return str(mod)

@@ -55,6 +55,12 @@ def map_pass(b, start, stop, W, body):
         body(full, u.tail_mask(b, rest, W))
 
 
+def chunk_pass(b, c0, c1, n, chunk, W, body):
+    """map_pass over the elements of chunks [c0, c1) of an n-element grid: [c0·chunk,
+    min(c1·chunk, n)). With chunk a multiple of W every full step starts on a multiple of W."""
+    map_pass(b, b.mul(c0, chunk), u.smin(b, b.mul(c1, chunk), n), W, body)
+
+
 def accs_of(b, ty, value):
     """UNROLL accumulator slots of vector type `ty`, each set to `value`."""
     slots = [u.entry_alloca(b, ty) for _ in range(UNROLL)]
