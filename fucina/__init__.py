@@ -32,7 +32,7 @@ __all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_man
            "GradcheckResult", *_errors]
 for _family in (_attention, _checkpoint, _conv, _gather_scatter, _selection):
     __all__ += _family.__all__
-_TRAINING = ("es", "gguf", "io", "optim")  # the training layer: imported on first use
+_TRAINING = ("es", "gguf", "io", "lora", "optim")  # the training layer: imported on first use
 __all__ += list(_TRAINING)
 
 

@@ -60,6 +60,11 @@ class UseAfterRelease(FucinaError, RuntimeError):
     """A tensor was used after release() or after its exec scope closed."""
 
 
+class ReadOnlyStorage(TensorError):
+    """An op was asked to write into read-only storage (a memory-mapped GGUF tensor, a
+    read-only numpy array). Not in the SPEC catalogue: the reference has no such storage."""
+
+
 globals().update(_family(TensorError, [
     "ShapeMismatch", "InvalidShape", "InvalidDataLength", "IndexOutOfBounds", "DivisionByZero",
     "EmptySelection"], "Shape-family error."))
@@ -126,6 +131,7 @@ globals().update(_family(LlmError, [
     "MoeUnsupported", "ExecScopeRequired", "InvalidSequenceLength", "LabelLengthMismatch",
     "MalformedJsonl", "SampleTooLong", "EmptyDataset", "InvalidLoaderState",
     "QuantizedSourceUnsupported", "QuantizedBaseUnsupported", "MissingAlpha",
-    "UnknownAdapterName", "MissingLoraB", "OrphanLoraB", "NoAdaptersFound"], "LLM-layer error."))
+    "UnknownAdapterName", "MissingLoraB", "OrphanLoraB", "NoAdaptersFound", "InvalidStateDict"],
+    "LLM-layer error."))
 
 __all__ = [n for n, v in globals().items() if isinstance(v, type) and issubclass(v, FucinaError)]

@@ -2,11 +2,15 @@
 weights are re-encoded byte-for-byte as llama.cpp would (libgguf as the oracle), norms, 1-D
 tensors and non-".weight" names keep their type, rows whose ne0 does not fit the block keep the
 source type, quantized sources are never chain-requantized, and the gguf package reads every
-file written."""
+file written. The merge half: LoRA adapters (a safetensors file written by the safetensors
+package) merged into f32/f16/bf16 bases of a synthetic Qwen3-shaped model equal W + (α/r)·B·A
+computed in numpy, every other tensor stays byte-identical, every merge error, and the
+merge-then-quantize flow."""
 import gguf
 import libgguf
 import numpy as np
 import pytest
+import safetensors.numpy
 from gguf import GGMLQuantizationType as GT
 
 import fucina as fu
@@ -117,3 +121,220 @@ def test_plan_rules():
     assert ex.plan("output.weight", "f16", (4, 96), "q5_k")[0] == "f16"
     with pytest.raises(ValueError):
         ex.plan("output.weight", "f16", (4, 96), "q3_k")
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA merge (SPEC T-23 merge policy) on a small synthetic Qwen3-shaped model
+
+EMBED, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 64, 4, 2, 16, 96, 40, 2
+ALPHA = 16.0
+ADAPTED = {"layers.0.q": ("blk.0.attn_q.weight", 4), "layers.1.v": ("blk.1.attn_v.weight", 2),
+           "layers.1.down": ("blk.1.ffn_down.weight", 3), "layers.0.o": ("blk.0.attn_output.weight", 2)}
+
+
+def bf16_bits(a):
+    """f32 -> bf16 bits, round to nearest even (SPEC R-9), numpy only."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def qwen3_tensors():
+    """name -> float32 array, shaped like a Qwen3 checkpoint ([out, in] matrices)."""
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    ts = {"token_embd.weight": f32(VOCAB, EMBED)}
+    for i in range(LAYERS):
+        ts.update({f"blk.{i}.attn_norm.weight": f32(EMBED), f"blk.{i}.attn_q.weight": f32(q, EMBED),
+                   f"blk.{i}.attn_k.weight": f32(kv, EMBED), f"blk.{i}.attn_v.weight": f32(kv, EMBED),
+                   f"blk.{i}.attn_output.weight": f32(EMBED, q), f"blk.{i}.attn_q_norm.weight": f32(HEAD_DIM),
+                   f"blk.{i}.attn_k_norm.weight": f32(HEAD_DIM), f"blk.{i}.ffn_norm.weight": f32(EMBED),
+                   f"blk.{i}.ffn_gate.weight": f32(FFN, EMBED), f"blk.{i}.ffn_up.weight": f32(FFN, EMBED),
+                   f"blk.{i}.ffn_down.weight": f32(EMBED, FFN)})
+    ts.update({"output_norm.weight": f32(EMBED), "output.weight": f32(VOCAB, EMBED)})
+    return ts
+
+
+def write_qwen3(path, dtype, quantized=()):
+    """The model with its matrices stored as `dtype` (norms f32; names in `quantized`: q8_0);
+    returns name -> the stored values as float32."""
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_block_count(LAYERS)
+    w.add_embedding_length(EMBED)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_context_length(128)
+    stored = {}
+    for name, a in qwen3_tensors().items():
+        if name in quantized:
+            w.add_tensor(name, libgguf.quantize_rows(a, int(GT.Q8_0)), raw_dtype=GT.Q8_0)
+        elif a.ndim == 1 or dtype == "f32":
+            w.add_tensor(name, a)
+            stored[name] = a
+        elif dtype == "f16":
+            w.add_tensor(name, a.astype(np.float16))
+            stored[name] = a.astype(np.float16).astype(np.float32)
+        else:
+            bits = bf16_bits(a)
+            w.add_tensor(name, bits.view(np.uint8), raw_dtype=GT.BF16)
+            stored[name] = bf16_value(bits)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def write_adapters(path, entries=None):
+    """A LoRA state dict (A [r, in], B [out, r], trained-looking nonzero B) for ADAPTED."""
+    if entries is None:
+        shapes = {name: a.shape for name, a in qwen3_tensors().items()}
+        entries = {}
+        for prefix, (tensor, rank) in ADAPTED.items():
+            out, inn = shapes[tensor]
+            entries[prefix + ".lora_a"] = f32(rank, inn) * 20
+            entries[prefix + ".lora_b"] = f32(out, rank) * 20
+    safetensors.numpy.save_file(entries, str(path))
+    return entries
+
+
+def numpy_merge(w, a, b):
+    """w + (alpha/r)·B·A in float64 (scale = f32(alpha)/f32(r), as SPEC T-20)."""
+    scale = float(np.float32(ALPHA) / np.float32(a.shape[0]))
+    return w.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))
+
+
+def raw_tensors(path):
+    r = gguf.GGUFReader(str(path))
+    return {t.name: (t.tensor_type, np.array(t.data).tobytes()) for t in r.tensors}
+
+
+def quiet(*_):
+    pass
+
+
+def merged_values(kind, data, shape):
+    if kind == GT.F32:
+        return np.frombuffer(data, np.float32).reshape(shape)
+    if kind == GT.F16:
+        return np.frombuffer(data, np.float16).reshape(shape)
+    return np.frombuffer(data, np.uint16).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype,gt", [("f32", GT.F32), ("f16", GT.F16), ("bf16", GT.BF16)],
+                         ids=["f32", "f16", "bf16"])
+def test_merge(tmp_path, dtype, gt):
+    src, out, ad_path = tmp_path / "m.gguf", tmp_path / "merged.gguf", tmp_path / "a.safetensors"
+    stored = write_qwen3(src, dtype)
+    ad = write_adapters(ad_path)
+    report = ex.export(str(src), str(out), adapters=str(ad_path), alpha=ALPHA, log=quiet)
+    before, after = raw_tensors(src), raw_tensors(out)
+    assert list(after) == list(before)
+    merged = {tensor for tensor, _ in ADAPTED.values()}
+    for name in before:
+        if name not in merged:   # untouched tensors: byte-identical
+            assert after[name] == before[name], name
+            assert report[name][1] == "verbatim"
+    for prefix, (tensor, rank) in ADAPTED.items():
+        kind, data = after[tensor]
+        assert kind == gt and report[tensor][0] == dtype and prefix in report[tensor][1]
+        want = numpy_merge(stored[tensor], ad[prefix + ".lora_a"], ad[prefix + ".lora_b"])
+        got = merged_values(kind, data, want.shape)
+        if dtype == "f32":
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        else:   # the f32 merge then one rounding: at most one step of the 16-bit grid apart
+            want32 = want.astype(np.float32)
+            if dtype == "f16":
+                want16, got32 = want32.astype(np.float16), got.astype(np.float32)
+                step = np.spacing(np.abs(want16)).astype(np.float32)
+                assert (np.abs(got32 - want32) <= step).all()
+                assert (got == want16).mean() > 0.95
+            else:
+                want16, got32 = bf16_bits(want32), bf16_value(got)
+                step = bf16_value(bf16_bits(np.abs(want32)) + 1) - bf16_value(bf16_bits(np.abs(want32)))
+                assert (np.abs(got32 - want32) <= step).all()
+                assert (got == want16).mean() > 0.95
+        assert np.abs(got.astype(np.float32) if dtype != "bf16" else bf16_value(got)).max() > 0
+        assert not np.allclose(want, stored[tensor], atol=1e-3)   # the adapter really moved it
+    with fu.ExecContext() as ctx:   # the merged model loads, metadata unchanged
+        f, g = fu.gguf.read(src, ctx), fu.gguf.read(out, ctx)
+        assert dict(g.metadata) == dict(f.metadata) and g.metadata.types == f.metadata.types
+        del f, g
+
+
+def test_merge_then_quantize(tmp_path):
+    """The D-5 flow: merge into the f16 model, then --dtype q8_0 the merged file; the same bytes
+    as one run given both (merge first, then transcode)."""
+    src, ad_path = tmp_path / "m.gguf", tmp_path / "ckpt"
+    stored = write_qwen3(src, "f16")
+    ad_path.mkdir()   # a checkpoint directory (SPEC T-19): its adapters.safetensors
+    ad = write_adapters(ad_path / "adapters.safetensors")
+    merged, quant, both = tmp_path / "merged.gguf", tmp_path / "q8.gguf", tmp_path / "both.gguf"
+    assert ex.main(["--from-gguf", str(src), "--out", str(merged), "--adapters", str(ad_path),
+                    "--alpha", "16"]) == 0
+    assert ex.main(["--from-gguf", str(merged), "--out", str(quant), "--dtype", "q8_0"]) == 0
+    with fu.ExecContext() as ctx:
+        f = fu.gguf.read(quant, ctx)
+        for prefix, (tensor, _) in ADAPTED.items():
+            w = f.tensors[tensor]
+            assert w.dtype == "q8_0"
+            want = numpy_merge(stored[tensor], ad[prefix + ".lora_a"], ad[prefix + ".lora_b"])
+            got = w.to("f32").numpy()
+            np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() / 100)
+            assert np.array_equal(got, libgguf.dequantize_rows(np.array(w.data_const()), int(GT.Q8_0))
+                                  .reshape(got.shape))
+        del f
+    report = ex.export(str(src), str(both), "q8_0", adapters=str(ad_path), alpha=ALPHA, log=quiet)
+    assert both.read_bytes() == quant.read_bytes()
+    assert report["blk.0.attn_q.weight"][0] == "q8_0" and "f16 -> q8_0" in report["blk.0.attn_q.weight"][1]
+    assert report["blk.0.attn_q.weight"][1].startswith("merged layers.0.q")
+
+
+def test_merge_errors(tmp_path):
+    src, out = tmp_path / "m.gguf", tmp_path / "o.gguf"
+    write_qwen3(src, "f32")
+    good = write_adapters(tmp_path / "good.safetensors")
+    a, b = good["layers.0.q.lora_a"], good["layers.0.q.lora_b"]
+
+    def run(entries, err, match=None, **kw):
+        path = tmp_path / "bad.safetensors"
+        write_adapters(path, entries)
+        with pytest.raises(err, match=match):
+            ex.export(str(src), str(out), adapters=str(path), alpha=ALPHA, log=quiet, **kw)
+        assert not out.exists()
+
+    with pytest.raises(fu.MissingAlpha):
+        ex.export(str(src), str(out), adapters=str(tmp_path / "good.safetensors"), log=quiet)
+    assert ex.main(["--from-gguf", str(src), "--out", str(out), "--adapters",
+                    str(tmp_path / "good.safetensors")]) == 1
+    assert ex.main(["--from-gguf", str(src), "--out", str(out), "--alpha", "16"]) == 1
+    assert not out.exists()
+    for bad in ("layers.0.qq.lora_a", "model.layers.0.q.lora_a", "layers.01.q.lora_a",
+                "layers.0.q.lora_c", "layers.x.q.lora_a"):
+        run({bad: a, "layers.0.q.lora_b": b}, fu.UnknownAdapterName, bad.replace(".", r"\."))
+    run({"layers.7.q.lora_a": a, "layers.7.q.lora_b": b}, fu.UnknownAdapterName, "blk.7.attn_q.weight")
+    run({"layers.0.q.lora_a": a}, fu.MissingLoraB, "layers.0.q")
+    run({"layers.0.q.lora_a": a, "layers.0.q.lora_b": b, "layers.1.k.lora_b": b}, fu.OrphanLoraB,
+        "layers.1.k")
+    run({}, fu.NoAdaptersFound)
+    with pytest.raises(fu.NoAdaptersFound, match="adapters.safetensors"):
+        ex.export(str(src), str(out), adapters=str(tmp_path), alpha=ALPHA, log=quiet)   # no such file
+    run({"layers.0.q.lora_a": a.astype(np.float16), "layers.0.q.lora_b": b}, fu.InvalidStateDict, "F16")
+    run({"layers.0.q.lora_a": a[None], "layers.0.q.lora_b": b}, fu.InvalidStateDict, "rank-2")
+    run({"layers.0.q.lora_a": a, "layers.0.q.lora_b": b.astype(np.float64)}, fu.InvalidStateDict, "F64")
+    run({"layers.0.q.lora_a": a[:, :32], "layers.0.q.lora_b": b}, fu.ShapeMismatch, "blk.0.attn_q")
+    run({"layers.0.q.lora_a": a[:2], "layers.0.q.lora_b": b}, fu.ShapeMismatch, "same rank")
+    assert issubclass(fu.InvalidStateDict, fu.FucinaError)
+    qsrc = tmp_path / "q.gguf"   # a quantized base: merge into a dense model, then --dtype
+    write_qwen3(qsrc, "f32", quantized={"blk.0.attn_q.weight"})
+    for target in ("verbatim", "q8_0"):
+        with pytest.raises(fu.QuantizedBaseUnsupported, match="stored as q8_0.*--dtype q8_0"):
+            ex.export(str(qsrc), str(out), target, adapters=str(tmp_path / "good.safetensors"),
+                      alpha=ALPHA, log=quiet)
+        assert not out.exists()
+    ok = tmp_path / "ok.safetensors"   # the quantized tensor untouched by the adapters: fine
+    write_adapters(ok, {k: v for k, v in good.items() if not k.startswith("layers.0.q.")})
+    ex.export(str(qsrc), str(out), adapters=str(ok), alpha=ALPHA, log=quiet)
+    assert raw_tensors(out)["blk.0.attn_q.weight"] == raw_tensors(qsrc)["blk.0.attn_q.weight"]

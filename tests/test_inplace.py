@@ -71,3 +71,19 @@ def test_grad_operands_refused_and_bias_add(ctx):
     assert x.grad().numpy().tolist() == [[22, 44], [26, 48]]
     with pytest.raises(fu.ShapeMismatch):
         x.bias_add([1, 2, 3], "c")
+
+
+def test_writes_into_read_only_storage_are_refused(ctx, tmp_path):
+    """A memory-mapped GGUF tensor is read-only: an in-place op raises instead of faulting, and
+    the file's bytes stay as they were."""
+    a = RNG.standard_normal((4, 8)).astype(np.float32)
+    fu.gguf.write(tmp_path / "w.gguf", {"w": ctx.tensor(a, ("r", "c"))}, {})
+    f = fu.gguf.read(tmp_path / "w.gguf", ctx)
+    w = f.tensors["w"]
+    one = ctx.tensor(np.ones(w._raw.shape, np.float32), w.tags)
+    with pytest.raises(fu.ReadOnlyStorage, match="add_scaled: expected a writable destination"):
+        w.add_scaled_in_place(one, 1.0)
+    with pytest.raises(fu.ReadOnlyStorage):
+        w.add_axis_vector_in_place(ctx.tensor(np.ones(w._raw.shape[-1], np.float32), w.tags[-1:]),
+                                   w.tags[-1])
+    assert_bitwise(w.numpy(), a)

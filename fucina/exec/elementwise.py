@@ -12,7 +12,7 @@ import struct
 
 from ..codegen import kernels
 from ..codegen.elementwise import ElementwiseKey, op_table
-from ..errors import DTypeError, ShapeMismatch
+from ..errors import DTypeError, ReadOnlyStorage, ShapeMismatch
 from .dtypes import ITEMSIZE
 from .raw import RawTensor, contiguous_layout, contiguous_strides, numel
 
@@ -134,6 +134,9 @@ def run(ctx, op: str, out_dtype: str, shape, operands, out: RawTensor | None = N
         ctx.check_open(op)
     if out is None:
         out = RawTensor(ctx.pool.alloc(lay.nbytes, out_dtype == "f32"), lay, 0, ctx)
+    elif out.buf.readonly:  # the kernel's store would fault
+        raise ReadOnlyStorage(f"{op}: expected a writable destination, got read-only storage "
+                              f"(a GGUF mapping or read-only array); copy it first with to()")
     ctx.launch(addr, n_chunks, cost, out.addr,
                *[x.addr if type(x) is RawTensor else _param_bits(x, out_dtype) for x in operands],
                *tail)
