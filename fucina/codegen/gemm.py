@@ -22,6 +22,10 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              chunk grid is fixed by the problem size: bitwise identical for any thread count.
              With `accumulate` the chain's result is added to c in one final rounding
              (c = c + sum); partial sums of earlier KC blocks then live in a scratch buffer.
+             emit_tile builds it around a hook that produces each KC x NR panel of B: a
+             pointer into gemm_pack's panels here, the quantized matmul's blocks decoded on
+             the fly into a stack buffer (fucina.codegen.quant_gemm) — one micro-kernel, so
+             the two give the same bits.
   gemm_small direct kernels, no packing of A, for shapes where packing costs more than it
              saves: `rowvec` (few rows of C, or b small enough for L2) runs the very same FMA
              chain per element as gemm_tile — the two give identical bits; `dot` (a and b
@@ -37,11 +41,16 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
+from .emit import lane_tree
 from .kernels import KernelKey, register
+from .rows import fadd
 from .target import host
 
-# ---- micro-tile and packing constants (MC, NC, KC are runtime arguments: see exec/matmul.py) --
+# ---- micro-tile, blocking and packing constants (the kernels take MC, NC and the k block as
+# runtime arguments: exec/matmul.py picks MC and NC, and passes KC) ---------------------------
 NR_VECS = 2      # vectors across the micro-tile (NR = NR_VECS * lanes columns)
+KC = 256         # k block: a KC x NR panel of B stays in L1 across the MR panels of A (and
+                 # fits the stack buffer the quantized tile decodes its panels into)
 UNROLL = 4       # k steps per iteration of the micro-kernel's inner loop
 PF_ROWS = 8      # packing along rows far apart (wvec): prefetch this many rows ahead ...
 PF_K = 256       # ... along k-contiguous rows (kvec): this many elements ahead
@@ -77,13 +86,6 @@ def _mask_upto(b, count, W):
 
 def _zero_mask(W):
     return ir.Constant(ir.VectorType(u.I1, W), [ir.Constant(u.I1, 0)] * W)
-
-
-def _prefetch(b, base, index, dtype):
-    """Prefetch the cache line holding base[index] (a read, into all cache levels)."""
-    p = b.gep(base, [index], source_etype=u.STORAGE[dtype])
-    i32 = lambda v: ir.Constant(u.I32, v)  # noqa: E731
-    u.intrinsic(b, "llvm.prefetch", u.VOID, [p, i32(0), i32(3), i32(1)], types=[u.PTR])
 
 
 def _fma(b, x, y, z):
@@ -183,7 +185,7 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
                     # the same piece PF_ROWS rows on (rows are far apart: no HW prefetch)
                     ahead = b.add(b.add(srow, b.mul(u.i64(PF_ROWS), s_k)), b.mul(sg, u.i64(Wp)))
                     for line in range(-(-(sub * Wp * u.ITEMSIZE[dt]) // 64)):
-                        _prefetch(b, src, b.add(ahead, u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
+                        u.prefetch(b, src, b.add(ahead, u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
                     with u.Loop(b, sg, sg1, 1, "p") as p:
                         w0 = b.mul(p, u.i64(Wp))
                         wvalid = b.sub(rows, w0)
@@ -225,7 +227,7 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
                     continue
                 m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, _zero_mask(W))
                 row = b.add(b.mul(u.i64(w), s_w), kt)
-                _prefetch(b, iptr, b.add(row, u.i64(PF_K)), dt)
+                u.prefetch(b, iptr, b.add(row, u.i64(PF_K)), dt)
                 vecs.append(u.load(b, iptr, row, dt, W, m))
             cols = transpose(b, vecs)
             full = b.icmp_signed("==", kn, u.i64(W))
@@ -257,7 +259,7 @@ def _pack_any(b, iptr, optr, kcl, wvalid, s_w, s_k, Wp, dt):
 
 
 # ---------------------------------------------------------------------------------------------
-# the tile kernel
+# the tile kernel: one emitter, the B panels come from a hook
 
 @register
 @dataclass(frozen=True)
@@ -275,20 +277,37 @@ class GemmTileKey(KernelKey):
     unroll: int
 
     def ir(self, symbol: str) -> str:
-        return str(_build_tile(self, symbol))
+        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll, _packed_b))
 
 
-def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
+def _packed_b(b, args, N, K, NRc):
+    """gemm_pack's B panels: argument 1, batch stride argument 13 (floats)."""
+    Bp, sBp = u.arg_ptr(b, args, 1), u.arg(b, args, 13)
+    Np = b.mul(b.sdiv(b.add(N, u.i64(NRc - 1)), u.i64(NRc)), u.i64(NRc))
+
+    def panel(bt, k0, kcl, j0):
+        off = b.add(b.add(b.mul(bt, sBp), b.mul(k0, Np)), b.mul(j0, kcl))
+        return b.gep(Bp, [off], source_etype=u.F32)
+    return panel
+
+
+def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
+    """The tile kernel of gemm_tile's argument block, MR = R rows x V vectors of accumulators,
+    the k loop unrolled U times. Where its B panels come from is the hook's business (the
+    packed panels of gemm_pack here; blocks decoded on the fly for the quantized matmul):
+    b_panel(b, args, N, K, NR) runs once at the kernel's entry and returns
+    panel(bt, k0, kcl, j0) -> the address of the kcl x NR panel of batch bt for k0 .. k0+kcl-1
+    and columns j0 .. j0+NR-1 in gemm_pack's layout (element [k - k0][j - j0], zeros past N),
+    emitted inside the loop over a tile's NR panels."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
     vt = _vt(W)
-    R, V, U = key.mr, key.nr_vecs, key.unroll
     NRc = V * W
-    Ap, Bp, C, Cpart = (u.arg_ptr(b, args, i) for i in range(4))
-    M, N, K, KC, MC, NC, nmb, nnb, sAp, sBp, accflag, mfast = (
-        u.arg(b, args, i) for i in range(4, 16))
+    Ap, C, Cpart = (u.arg_ptr(b, args, i) for i in (0, 2, 3))
+    M, N, K, kc, MC, NC, nmb, nnb, sAp, accflag, mfast = (
+        u.arg(b, args, i) for i in (4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
-    Np = b.mul(b.sdiv(b.add(N, u.i64(NRc - 1)), u.i64(NRc)), u.i64(NRc))
+    panel_of = b_panel(b, args, N, K, NRc)
     accumulate = b.icmp_signed("!=", accflag, u.i64(0))
     accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
 
@@ -305,16 +324,14 @@ def _build_tile(key: GemmTileKey, symbol: str) -> ir.Module:
         col0 = b.mul(nb, NC)
         col1 = u.smin(b, b.add(col0, NC), N)
         abat = b.mul(bt, sAp)
-        bbat = b.mul(bt, sBp)
         cbat = b.mul(bt, b.mul(M, N))
-        with u.Loop(b, u.i64(0), K, KC, "k0") as k0:
-            kcl = u.smin(b, KC, b.sub(K, k0))
+        with u.Loop(b, u.i64(0), K, kc, "k0") as k0:
+            kcl = u.smin(b, kc, b.sub(K, k0))
             first = b.icmp_signed("==", k0, u.i64(0))
-            last = b.icmp_signed(">=", b.add(k0, KC), K)
+            last = b.icmp_signed(">=", b.add(k0, kc), K)
             ablk = b.add(abat, b.mul(k0, Mp))
-            bblk = b.add(bbat, b.mul(k0, Np))
             with u.Loop(b, col0, col1, NRc, "j0") as j0:
-                bp = b.gep(Bp, [b.add(bblk, b.mul(j0, kcl))], source_etype=u.F32)
+                bp = panel_of(bt, k0, kcl, j0)
                 nvalid = b.sub(N, j0)
                 cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
                 with u.Loop(b, row0, row1, R, "i0") as i0:
@@ -410,17 +427,6 @@ class GemmSmallKey(KernelKey):
         return str(_build_small(self, symbol))
 
 
-def _hsum(b, v):
-    """Fold a vector by halves (a fixed tree) to a scalar."""
-    n = v.type.count
-    while n > 1:
-        h = n // 2
-        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h))))
-        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, h), list(range(h, n))))
-        v, n = b.fadd(lo, hi), h
-    return b.extract_element(v, u.i64(0))
-
-
 def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
@@ -507,7 +513,7 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
                                 b.icmp_signed("<", u.i64(c), nvalid))
                     with b.if_then(ok):
                         idx = b.add(coff, b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(c))))
-                        x = _hsum(b, b.load(accs[r][c]))
+                        x = lane_tree(b, b.load(accs[r][c]), fadd)
                         p = b.gep(C, [idx], source_etype=u.F32)
                         with b.if_else(accumulate) as (then, other):
                             with then:

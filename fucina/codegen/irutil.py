@@ -100,6 +100,13 @@ def intrinsic(b: ir.IRBuilder, name: str, ret, operands, types=None):
     return b.call(fn, operands)
 
 
+def prefetch(b, base, index, dtype):
+    """Prefetch the cache line holding base[index] (a read, into all cache levels)."""
+    p = b.gep(base, [index], source_etype=STORAGE[dtype])
+    i32 = lambda v: ir.Constant(I32, v)  # noqa: E731
+    intrinsic(b, "llvm.prefetch", VOID, [p, i32(0), i32(3), i32(1)], types=[PTR])
+
+
 def _mangle(t) -> str:
     """The overload suffix LLVM expects: f32, v16f32, v8i64, p0 ..."""
     if isinstance(t, ir.VectorType):

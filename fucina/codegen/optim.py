@@ -160,9 +160,7 @@ def _update_kernel(symbol, nptrs, nscalars, body, streams=()):
         if mask is None:  # a prefetch never faults, past the end included
             ahead = b.add(c, u.i64(PREFETCH))
             for i, dtype in streams:
-                q = b.gep(ptrs[i], [ahead], source_etype=u.STORAGE[dtype])
-                u.intrinsic(b, "llvm.prefetch", u.VOID, [q, ir.Constant(u.I32, 0),
-                            ir.Constant(u.I32, 3), ir.Constant(u.I32, 1)], types=[u.PTR])
+                u.prefetch(b, ptrs[i], ahead, dtype)
         body(b, ptrs, scalars, c, W, mask)
     chunk_pass(b, c0, c1, n, chunk, W, step)
     b.ret_void()

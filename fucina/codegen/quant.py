@@ -59,7 +59,7 @@ class QuantKey(KernelKey):
             floats = b.gep(src if self.op == "encode" else dst, [b.mul(k, u.i64(elems))],
                            source_etype=F32)
             if self.op == "decode":
-                _DECODERS[self.fmt](b, packed, floats)
+                DECODERS[self.fmt](b, packed, floats)
             else:
                 _ENCODERS[self.fmt](b, floats, packed)
         b.ret_void()
@@ -338,7 +338,7 @@ def _dec_tq2_0(b, s, y):
             _storef(b, _scaled(b, b.sub(c, _c(c.type, 1)), d, 32), y, 128 * jc + 32 * lvl)
 
 
-_DECODERS = {
+DECODERS = {
     "q4_0": _dec_q4_0, "q4_1": _dec_q4_1, "q5_0": _dec_q5_0, "q5_1": _dec_q5_1, "q8_0": _dec_q8_0,
     "q2_k": _dec_q2_k, "q3_k": _dec_q3_k, "q4_k": lambda b, s, y: _dec_q45_k(b, s, y, False),
     "q5_k": lambda b, s, y: _dec_q45_k(b, s, y, True), "q6_k": _dec_q6_k, "q8_k": _dec_q8_k,

@@ -4,8 +4,8 @@ copies of a quantized concat.
 
 Every block is decoded by the very decoder of fucina.codegen.quant (ggml's dequantize_row_*
 arithmetic, vectorised), into a small stack buffer (L1, or registers once LLVM promotes it):
-the f32 weights are never materialised in memory as a whole. So each weight the matmul multiplies is bitwise the value
-`w.to("f32")` holds, and the products accumulate in f32.
+the f32 weights are never materialised in memory as a whole. So each weight the matmul
+multiplies is bitwise the value `w.to("f32")` holds, and the products accumulate in f32.
 
   quant_gemv  few rows of x (1..4 per launch): one item = `cols` rows of w (outputs
               n .. n+cols-1). For each block of k in increasing order the item decodes the
@@ -14,11 +14,11 @@ the f32 weights are never materialised in memory as a whole. So each weight the 
               output: lane t of accumulator s sums k = s*W + t + 2W*i over i in increasing
               order; they add, then a fixed halving tree folds the lanes. The order of every
               sum is fixed by K alone (not by M: a row of a batch is bitwise the row alone).
-  quant_tile  many rows of x: the f32 GEMM's tile kernel (fucina.codegen.gemm: packed A
-              panels, MR x NR register tile, one FMA chain per element over k in increasing
-              order) with its B panels decoded on the fly, one NR x KC panel at a time into an
-              L1 buffer, by the same decoders and W x W register transposes. The result is
-              bitwise that of the f32 GEMM on w.to("f32").
+  quant_tile  many rows of x: the f32 GEMM's tile kernel (fucina.codegen.gemm.emit_tile:
+              packed A panels, MR x NR register tile, one FMA chain per element over k in
+              increasing order) with a B panel hook that decodes w, one NR x KC panel at a
+              time into an L1 buffer, by the same decoders and W x W register transposes. The
+              result is bitwise that of the f32 GEMM on w.to("f32").
   quant_rows  get_rows: out row r = decode(source row of index r), a chunk flag for an index
               out of range (the host turns it into IndexOutOfBounds).
   quant_copy  equal-length byte segments copied between strided places (concat of quantized
@@ -29,24 +29,21 @@ Argument blocks are documented at each key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from llvmlite import ir
 
 from . import irutil as u
 from .emit import lane_tree
-from .gemm import _fma, _mask_upto, _zero_mask, lanes, transpose
+from .gemm import KC, emit_tile, lanes, transpose
 from .kernels import KernelKey, register
-from .quant import _DECODERS as DECODERS
+from .quant import DECODERS as DECODERS
 from .quant import FORMATS
+from .rows import fadd
 
 
 X_REGS = 8   # vector registers the gemv may hold x in
 SPLIT = 2    # gemv accumulators per output: even and odd vectors of k
-KC_MAX = 256  # the largest k block the tile kernel is given (its B panel buffer: KC_MAX x NR)
-
-
-def _vt(n):
-    return ir.VectorType(u.F32, n)
 
 
 def _block_ptr(b, base, row, row_bytes, blk, nbytes):
@@ -63,19 +60,6 @@ def _buffer(b, floats):
     p.align = 64
     p.type = u.PTR
     return p
-
-
-def _loadv(b, base, index, W):
-    v = b.load(b.gep(base, [u.i64(index) if isinstance(index, int) else index],
-                     source_etype=u.F32), typ=_vt(W))
-    v.align = 4
-    return v
-
-
-def _storev(b, v, base, index):
-    s = b.store(v, b.gep(base, [u.i64(index) if isinstance(index, int) else index],
-                         source_etype=u.F32))
-    s.align = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +95,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     row_bytes = b.mul(nblk, u.i64(nbytes))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     bufs = [_buffer(b, bs) for _ in range(CN)]
-    accs = [[[u.entry_alloca(b, _vt(W)) for _ in range(SPLIT)] for _ in range(CN)]
+    accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
         n0 = b.mul(q, u.i64(CN))
@@ -119,15 +103,16 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
         for r in range(RM):
             for c in range(CN):
                 for a in accs[r][c]:
-                    b.store(u.const(_vt(W), 0.0), a)
+                    b.store(u.const(u.vec(u.F32, W), 0.0), a)
 
         def block(c, kb):   # decode a block of row c and use it at once (it stays in registers)
             DECODERS[key.fmt](b, _block_ptr(b, w, rows[c], row_bytes, kb, nbytes), bufs[c])
             k0 = b.mul(kb, u.i64(bs))
             for v in range(bs // W):
-                wv = _loadv(b, bufs[c], v * W, W)
+                wv = u.load(b, bufs[c], u.i64(v * W), "f32", W)
                 for r in range(RM):
-                    xv = _loadv(b, x, b.add(b.mul(u.i64(r), s_xm), b.add(k0, u.i64(v * W))), W)
+                    xoff = b.add(b.mul(u.i64(r), s_xm), b.add(k0, u.i64(v * W)))
+                    xv = u.load(b, x, xoff, "f32", W)
                     acc = accs[r][c][v % SPLIT]
                     b.store(u.intrinsic(b, "llvm.fma", wv.type, [xv, wv, b.load(acc)]), acc)
 
@@ -145,7 +130,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                     v = b.load(accs[r][c][0])
                     for a in accs[r][c][1:]:
                         v = b.fadd(v, b.load(a))
-                    s = lane_tree(b, v, lambda b, p, q: b.fadd(p, q))
+                    s = lane_tree(b, v, fadd)
                     idx = b.add(b.mul(u.i64(r), N), b.add(n0, u.i64(c)))
                     b.store(s, b.gep(y, [idx], source_etype=u.F32))
     b.ret_void()
@@ -153,22 +138,19 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
 
 
 # ---------------------------------------------------------------------------------------------
-# many rows of x: the f32 GEMM's tile, its B panels decoded on the fly
+# many rows of x: the f32 GEMM's tile kernel, its B panels decoded on the fly
 
 @register
 @dataclass(frozen=True)
 class QuantTileKey(KernelKey):
-    """C tiles of x · dequant(w)ᵀ from packed A panels (fucina.codegen.gemm's gemm_pack layout)
-    and w's blocks. One chunk = one (MC-row block, NC-column block) tile of C: for each KC
-    block of k in increasing order, for each NR panel of the tile's columns, the panel's
-    NR rows of w x KC are decoded into a stack buffer (laid out as gemm_pack lays out B), then
-    every MR panel of the tile's rows runs the micro-kernel of gemm_tile on it: MR x NR
-    accumulators, one FMA chain per element over k in increasing order, continued from the
-    partial sum the previous KC block left in C. So every element is bitwise what the f32
-    GEMM computes on w.to('f32')ᵀ, for any tile sizes and thread count.
+    """gemm_tile (fucina.codegen.gemm.emit_tile) with the B panel hook decoding w: for each KC
+    block of k, for each NR panel of a tile's columns, the panel's NR rows of w x KC are
+    decoded into a stack buffer laid out as gemm_pack lays out B, and the very micro-kernel
+    of gemm_tile runs on it. So every element is bitwise what the f32 GEMM computes on
+    w.to('f32')ᵀ, for any tile sizes and thread count.
 
-    Arguments: 0 Ap, 1 w (blocks, [N, K]), 2 C (f32 [M, N]), 3 M, 4 N, 5 K, 6 KC (a multiple
-    of the block size), 7 MC, 8 NC, 9 M blocks, 10 N blocks. Chunks run M blocks fastest."""
+    Arguments: gemm_tile's, with 1 = w (blocks, [N, K]), 6 K and 7 KC multiples of the block
+    size, KC at most gemm.KC (the panel buffer's depth), and one batch (12, 13 = 0)."""
 
     family = "quant_tile"
     fmt: str
@@ -177,7 +159,24 @@ class QuantTileKey(KernelKey):
     unroll: int
 
     def ir(self, symbol: str) -> str:
-        return str(_build_tile(self, symbol))
+        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll,
+                             partial(_decoded_b, self.fmt)))
+
+
+def _decoded_b(fmt, b, args, N, K, NR):
+    """The B panel hook: w (argument 1) has one batch; each panel is decoded into one buffer."""
+    W = lanes()
+    bs, nbytes = FORMATS[fmt]
+    assert bs % W == 0, (bs, W)
+    w = u.arg_ptr(b, args, 1)
+    row_bytes = b.mul(b.sdiv(K, u.i64(bs)), u.i64(nbytes))
+    panel = _buffer(b, KC * NR)
+    tmp = _buffer(b, W * bs)
+
+    def decode(bt, k0, kcl, j0):
+        _decode_panel(b, fmt, w, row_bytes, j0, N, k0, kcl, tmp, panel, NR)
+        return panel
+    return decode
 
 
 def _decode_panel(b, fmt, w, row_bytes, n0, N, k0, kcl, tmp, panel, Wp):
@@ -197,79 +196,13 @@ def _decode_panel(b, fmt, w, row_bytes, n0, N, k0, kcl, tmp, panel, Wp):
                         DECODERS[fmt](b, _block_ptr(b, w, n, row_bytes, qb, nbytes), dst)
                     with past:
                         for v in range(bs // W):
-                            _storev(b, u.const(_vt(W), 0.0), dst, v * W)
+                            u.store(b, u.const(u.vec(u.F32, W), 0.0), dst, u.i64(v * W), "f32")
             for j in range(bs // W):
-                cols = transpose(b, [_loadv(b, tmp, t * bs + j * W, W) for t in range(W)])
+                cols = transpose(b, [u.load(b, tmp, u.i64(t * bs + j * W), "f32", W)
+                                     for t in range(W)])
                 for i, vec in enumerate(cols):
                     k = b.add(kk, u.i64(j * W + i))
-                    _storev(b, vec, panel, b.add(b.mul(k, u.i64(Wp)), u.i64(s * W)))
-
-
-def _build_tile(key: QuantTileKey, symbol: str) -> ir.Module:
-    mod, b, args, c0, c1 = u.kernel(symbol)
-    W = lanes()
-    vt = _vt(W)
-    R, V, U = key.mr, key.nr_vecs, key.unroll
-    NR = V * W
-    bs, nbytes = FORMATS[key.fmt]
-    assert bs % W == 0, (bs, W)
-    Ap, w, C = (u.arg_ptr(b, args, i) for i in range(3))
-    M, N, K, KC, MC, NC, nmb, nnb = (u.arg(b, args, i) for i in range(3, 11))
-    Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
-    row_bytes = b.mul(b.sdiv(K, u.i64(bs)), u.i64(nbytes))
-    panel = _buffer(b, KC_MAX * NR)
-    tmp = _buffer(b, W * bs)
-    accs = [[u.entry_alloca(b, vt) for _ in range(V)] for _ in range(R)]
-    with u.Loop(b, c0, c1, 1, "c") as c:
-        mb, nb = b.srem(c, nmb), b.sdiv(c, nmb)
-        row0, col0 = b.mul(mb, MC), b.mul(nb, NC)
-        row1, col1 = u.smin(b, b.add(row0, MC), M), u.smin(b, b.add(col0, NC), N)
-        with u.Loop(b, u.i64(0), K, KC, "k0") as k0:
-            kcl = u.smin(b, KC, b.sub(K, k0))
-            first = b.icmp_signed("==", k0, u.i64(0))
-            ablk = b.mul(k0, Mp)
-            with u.Loop(b, col0, col1, NR, "j0") as j0:
-                _decode_panel(b, key.fmt, w, row_bytes, j0, N, k0, kcl, tmp, panel, NR)
-                cmask = [_mask_upto(b, b.sub(b.sub(N, j0), u.i64(v * W)), W) for v in range(V)]
-                with u.Loop(b, row0, row1, R, "i0") as i0:
-                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
-                    mvalid = b.sub(M, i0)
-                    masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
-                                       _zero_mask(W)) for v in range(V)] for r in range(R)]
-                    cidx = [[b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(v * W)))
-                             for v in range(V)] for r in range(R)]
-                    with b.if_else(first) as (then, other):
-                        with then:
-                            for r in range(R):
-                                for v in range(V):
-                                    b.store(u.const(vt, 0.0), accs[r][v])
-                        with other:   # the partial sum of the earlier KC blocks
-                            for r in range(R):
-                                for v in range(V):
-                                    b.store(u.load(b, C, cidx[r][v], "f32", W, masks[r][v]),
-                                            accs[r][v])
-
-                    def step(kk):
-                        bv = [_loadv(b, panel, b.add(b.mul(kk, u.i64(NR)), u.i64(v * W)), W)
-                              for v in range(V)]
-                        for r in range(R):
-                            a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
-                                             source_etype=u.F32), typ=u.F32)
-                            av = u.splat(b, a, W)
-                            for v in range(V):
-                                b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
-
-                    kmain = b.sub(kcl, b.srem(kcl, u.i64(U)))
-                    with u.Loop(b, u.i64(0), kmain, U, "k") as k:
-                        for t in range(U):
-                            step(b.add(k, u.i64(t)))
-                    with u.Loop(b, kmain, kcl, 1, "kr") as k:
-                        step(k)
-                    for r in range(R):
-                        for v in range(V):
-                            u.store(b, b.load(accs[r][v]), C, cidx[r][v], "f32", masks[r][v])
-    b.ret_void()
-    return mod
+                    u.store(b, vec, panel, b.add(b.mul(k, u.i64(Wp)), u.i64(s * W)), "f32")
 
 
 # ---------------------------------------------------------------------------------------------

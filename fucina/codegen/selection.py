@@ -51,7 +51,6 @@ from llvmlite import ir
 
 from . import irutil as u
 from .emit import lane_tree
-from .gemm import _prefetch
 from .kernels import KernelKey, register
 from .rows import UNROLL, accs_of, map_pass, row_max_sum
 from .target import host
@@ -190,7 +189,7 @@ def _topk_row(b, slots: _Slots, xb, N, dt: str, W: int):
     with u.Loop(b, u.i64(0), n4, step, "t4") as c:
         vs = [u.load(b, xb, b.add(c, u.i64(t * W)), dt, W) for t in range(UNROLL)]
         for t in range(UNROLL):
-            _prefetch(b, xb, b.add(c, u.i64(PREFETCH + t * W)), dt)
+            u.prefetch(b, xb, b.add(c, u.i64(PREFETCH + t * W)), dt)
         thr = u.splat(b, b.load(slots.thr), W)
         hit = b.fcmp_ordered(">", vs[0], thr)
         for v in vs[1:]:
@@ -255,7 +254,7 @@ def _argmax_row(b, xb, N, dt, W):
     big = b.sub(N, b.srem(N, u.i64(UNROLL * W)))
     with u.Loop(b, u.i64(0), big, UNROLL * W, "a4") as c:
         for t in range(UNROLL):
-            _prefetch(b, xb, b.add(c, u.i64(PREFETCH + t * W)), dt)
+            u.prefetch(b, xb, b.add(c, u.i64(PREFETCH + t * W)), dt)
             step(t, b.add(c, u.i64(t * W)))
     full = b.sub(N, b.srem(N, u.i64(W)))
     with u.Loop(b, big, full, W, "a1") as c:

@@ -24,7 +24,6 @@ from ..codegen import kernels
 from ..errors import DTypeError, ShapeMismatch
 from .raw import RawTensor, numel
 
-KC = 256                 # k block: a KC x NR panel of B stays in L1 across the MR panels of A
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
 PACK_CHUNK = 1 << 17     # floats packed per chunk (one KC block of a group of panels)
@@ -42,7 +41,7 @@ _plans: dict = {}
 A, B, C, S, P = range(5)  # pointer bases of a plan step
 
 
-class _Plan:
+class Plan:
     """What one layout triple needs: the output shape, scratch sizes and the launches.
 
     Each step is (addr, n_chunks, cost, ptrs, tail): `ptrs` name the pointer arguments as
@@ -114,7 +113,7 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
         addr, n, cost, tail = plan.direct
         ctx.launch(addr, n, cost, a.addr, b.addr, out.addr, *tail)
     elif plan.outer is None:
-        _run(ctx, plan, a, b, out, 0, 0, 0)
+        run_plan(ctx, plan, a, b, out, 0, 0, 0)
     else:
         oshape, ast, bst = plan.outer
         inner = numel(plan.shape[len(oshape):])
@@ -125,11 +124,11 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
                 rem, i = divmod(rem, oshape[d])
                 ao += i * ast[d]
                 bo += i * bst[d]
-            _run(ctx, plan, a, b, out, ao * 4, bo * b.lay.itemsize, idx * inner * 4)
+            run_plan(ctx, plan, a, b, out, ao * 4, bo * b.lay.itemsize, idx * inner * 4)
     return out
 
 
-def _new_plan(a, b, out, accumulate) -> "_Plan":
+def _new_plan(a, b, out, accumulate) -> "Plan":
     op = "add_dot" if accumulate else "matmul"
     shape = _check(op, a, b, out)
     if accumulate and out is None:
@@ -147,7 +146,7 @@ def path_of(a: RawTensor, b: RawTensor) -> str:
     return plan.kind + (" outer" if plan.outer else "")
 
 
-def _run(ctx, plan, a, b, out, aoff, boff, coff):
+def run_plan(ctx, plan, a, b, out, aoff, boff, coff):
     base = [a.addr + aoff, b.addr + boff, out.addr + coff, 0, 0]   # a b c s p
     keep = []
     if plan.scratch:
@@ -191,8 +190,8 @@ def _coalesce_batch(shape, strides_list):
     return cs, cst
 
 
-def _make_plan(a, b, shape, accumulate) -> _Plan:
-    plan = _Plan(shape)
+def _make_plan(a, b, shape, accumulate) -> Plan:
+    plan = Plan(shape)
     M, K = a.shape[-2:]
     N = b.shape[-1]
     bshape = a.shape[:-2]
@@ -265,7 +264,7 @@ def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
                     nbatch, acc)
         return
     # pack b into [block][k][rn*W] (one KC block of length K): unit stride along n
-    step, npb, size = _pack_step(B, bdt, rn * W, N, K, s_bn, s_bk, bs, bst, nbatch, 0, K)
+    step, npb, size = pack_step(B, bdt, rn * W, N, K, s_bn, s_bk, bs, bst, nbatch, 0, K)
     plan.steps.append(step)
     plan.scratch = size
     blk = -(-N // (rn * W)) * rn * W * K
@@ -297,10 +296,10 @@ def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, a
                         nbatch)))
 
 
-def _pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc=None):
-    """One gemm_pack launch (k blocks of kc, default KC); returns (step, packed batches,
+def pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc=None):
+    """One gemm_pack launch (k blocks of kc, default g.KC); returns (step, packed batches,
     floats written)."""
-    kc = KC if kc is None else kc
+    kc = g.KC if kc is None else kc
     npb = nbatch if any(bst) else 1
     if s_w == 1 or rows == 1:
         mode = "wvec"
@@ -318,7 +317,7 @@ def _pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, k
     return step, npb, npb * pad * K
 
 
-def _blocks(n_panels, max_per):
+def blocks(n_panels, max_per):
     """Split n_panels into equal-ish blocks of at most max_per panels: panels per block."""
     nblk = -(-n_panels // max_per)
     return -(-n_panels // nblk)
@@ -329,18 +328,18 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     MR, NR = g.mr(), g.nr()
     Mp = -(-M // MR) * MR
     Np = -(-N // NR) * NR
-    a_step, npa, asz = _pack_step(A, "f32", MR, M, K, sa[0], sa[1], bs, ast, nbatch, 0)
+    a_step, npa, asz = pack_step(A, "f32", MR, M, K, sa[0], sa[1], bs, ast, nbatch, 0)
     asz = -(-asz // 16) * 16
-    b_step, npb, bsz = _pack_step(B, bdt, NR, N, K, sb[1], sb[0], bs, bst, nbatch, asz * 4)
+    b_step, npb, bsz = pack_step(B, bdt, NR, N, K, sb[1], sb[0], bs, bst, nbatch, asz * 4)
     plan.steps += [a_step, b_step]
     plan.scratch = asz + bsz
-    MC = _blocks(Mp // MR, MC_PANELS) * MR
-    NC = _blocks(Np // NR, NC_PANELS) * NR
+    MC = blocks(Mp // MR, MC_PANELS) * MR
+    NC = blocks(Np // NR, NC_PANELS) * NR
     nmb, nnb = -(-M // MC), -(-N // NC)
-    if acc and K > KC:
+    if acc and K > g.KC:
         plan.partial = nbatch * M * N
     addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
     plan.steps.append((addr, nbatch * nmb * nnb, nbatch * M * N * K,
                        ((S, 0), (S, asz * 4), (C, 0), (P if plan.partial else C, 0)),
-                       (M, N, K, KC, MC, NC, nmb, nnb, 0 if npa == 1 else Mp * K,
+                       (M, N, K, g.KC, MC, NC, nmb, nnb, 0 if npa == 1 else Mp * K,
                         0 if npb == 1 else Np * K, int(acc), int(N > M))))

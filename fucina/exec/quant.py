@@ -14,7 +14,7 @@ import numpy as np
 from ..codegen import gemm as g
 from ..codegen import kernels
 from ..codegen.quant import ENCODABLE, QuantKey
-from ..codegen.quant_gemm import KC_MAX, QuantCopyKey, QuantGemvKey, QuantRowsKey, QuantTileKey
+from ..codegen.quant_gemm import QuantCopyKey, QuantGemvKey, QuantRowsKey, QuantTileKey
 from ..errors import DTypeError, IndexOutOfBounds, InvalidShape, ShapeMismatch
 from . import elementwise as ew
 from . import matmul as mm
@@ -169,7 +169,7 @@ def matmul(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
         addr, n, cost, tail = plan.direct
         ctx.launch(addr, n, cost, x.addr, w.addr, out.addr, *tail)
     else:
-        mm._run(ctx, plan, x, w, out, 0, 0, 0)
+        mm.run_plan(ctx, plan, x, w, out, 0, 0, 0)
     return out
 
 
@@ -178,7 +178,7 @@ def matmul_path(x: RawTensor, w: BlockRaw) -> str:
     return _mm_plan(x, w).kind
 
 
-def _mm_plan(x, w) -> "mm._Plan":
+def _mm_plan(x, w) -> "mm.Plan":
     op = "dot"
     if not isinstance(w, BlockRaw):
         raise DTypeError(f"{op}: right operand: expected a block-quantized tensor, got "
@@ -193,7 +193,7 @@ def _mm_plan(x, w) -> "mm._Plan":
     if K != Kw:
         raise ShapeMismatch(f"{op}: contraction length: x has {K}, the {w.dtype} weight {Kw}; "
                             f"expected equal")
-    plan = mm._Plan((M, N))
+    plan = mm.Plan((M, N))
     s_xm = x.strides[0] if x.strides[-1] == 1 else K   # otherwise x is copied contiguous first
     if M <= GEMV_MAX_ROWS:
         plan.kind = "gemv"
@@ -211,16 +211,18 @@ def _mm_plan(x, w) -> "mm._Plan":
             plan.direct = (addr, n, cost, tail)
         return plan
     plan.kind = "packed"
-    assert mm.KC <= KC_MAX and all(mm.KC % BLOCKS[f][0] == 0 for f in BLOCKS)
+    assert all(g.KC % BLOCKS[f][0] == 0 for f in BLOCKS)
     MR, NR = g.mr(), g.nr()
     one, none = (1, 1, 1), (0, 0, 0)
-    a_step, _, asz = mm._pack_step(mm.A, "f32", MR, M, K, s_xm, 1, one, none, 1, 0)
-    MC = mm._blocks(-(-M // MR), mm.MC_PANELS) * MR
-    NC = mm._blocks(-(-N // NR), mm.NC_PANELS) * NR
+    a_step, _, asz = mm.pack_step(mm.A, "f32", MR, M, K, s_xm, 1, one, none, 1, 0)
+    MC = mm.blocks(-(-M // MR), mm.MC_PANELS) * MR
+    NC = mm.blocks(-(-N // NR), mm.NC_PANELS) * NR
     nmb, nnb = -(-M // MC), -(-N // NC)
+    # gemm_tile's argument block: one batch, partial sums of earlier k blocks kept in C itself
+    # (no accumulate), M blocks fastest (consecutive chunks decode the same rows of w)
     tile = (kernels.get(QuantTileKey(w.dtype, MR, g.NR_VECS, g.UNROLL)), nmb * nnb,
-            M * N * K + nmb * w.lay.nbytes, ((mm.S, 0), (mm.B, 0), (mm.C, 0)),
-            (M, N, K, mm.KC, MC, NC, nmb, nnb))
+            M * N * K + nmb * w.lay.nbytes, ((mm.S, 0), (mm.B, 0), (mm.C, 0), (mm.C, 0)),
+            (M, N, K, g.KC, MC, NC, nmb, nnb, 0, 0, 0, 1))
     plan.steps = [a_step, tile]
     plan.scratch = asz
     return plan
