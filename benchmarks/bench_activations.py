@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import common as c
-from .common import BIG_ELEMS, row
+from .common import BIG_ELEMS
 
 GROUP = "activations 16 Mi f32"
 GROUP_GATED = "gated activations"
@@ -40,14 +40,6 @@ def _ctx(threads):
     import fucina as fu
 
     return fu.ExecContext(threads=threads)
-
-
-def _check(fu_val, to_val, what, atol=2e-6):
-    """Cheap sanity check that we time a correct kernel (first/last 4096 elements)."""
-    f, t = np.asarray(fu_val).reshape(-1), np.asarray(to_val, dtype=np.float32).reshape(-1)
-    for sl in (slice(0, 4096), slice(-4096, None)):
-        if not np.allclose(f[sl], t[sl], rtol=1e-5, atol=atol):
-            raise AssertionError(f"{what}: Fucina and PyTorch disagree")
 
 
 def _unary(threads: int, quick: bool) -> list[dict]:
@@ -77,7 +69,7 @@ def _one(threads, quick, what, fu_stmt, to_stmt, out_stmt, env):
     stmts = {"fucina": fu_stmt}
     if torch is not None:
         with c.torch_threads(threads):
-            _check(eval(fu_stmt, env).numpy(), eval(to_stmt, env).numpy(), what)
+            c.check_ends(eval(fu_stmt, env).numpy(), eval(to_stmt, env).numpy(), what, atol=2e-6)
         stmts.update(torch=to_stmt, torch_out=out_stmt)
     t, load = c.measured(stmts, env=env, threads=threads, quick=quick, repeats=3 if quick else 9,
                          block_s=0.05 if quick else 0.15, before=lambda: c.sample_bandwidth(threads))
@@ -85,10 +77,10 @@ def _one(threads, quick, what, fu_stmt, to_stmt, out_stmt, env):
     if torch is None:
         return [c.bw_row(GROUP, label, threads, t["fucina"], None, nbytes=nbytes,
                          bw_now=load.before, bw_target=False, extra=str(load))]
-    return [c.bw_row(GROUP, f"{label} vs torch {k}", threads, t["fucina"], t[key].median,
+    return [c.bw_row(GROUP, f"{label} {k}", threads, t["fucina"], t[key].median,
                      nbytes=nbytes, bw_now=load.before, bw_target=False, target="≥ PyTorch",
                      extra=str(load))
-            for key, k in (("torch", "out-of-place"), ("torch_out", "out= (prealloc.)"))]
+            for key, k in c.OUT_OF_PLACE_AND_OUT]
 
 
 def _gated(threads: int, quick: bool) -> list[dict]:
@@ -128,31 +120,19 @@ def _one_gated(threads, quick, what, fu_stmt, to_stmt, out_stmt, env):
     stmts = {"fucina": fu_stmt}
     if torch is not None:
         with c.torch_threads(threads):
-            _check(eval(fu_stmt, env).numpy(), eval(to_stmt, env).numpy(), what)
+            c.check_ends(eval(fu_stmt, env).numpy(), eval(to_stmt, env).numpy(), what, atol=2e-6)
         stmts.update(torch=to_stmt, torch_out=out_stmt)
     t, load = c.measured(stmts, env=env, threads=threads, quick=quick, repeats=5 if quick else 15,
                          block_s=0.02 if quick else 0.05)
-    fu_s = t["fucina"].median
     if torch is None:
-        return [row(GROUP_GATED, what, threads, fu_s, None, note=str(load))]
-    out = []
-    for key, label in (("torch", "vs torch out-of-place"), ("torch_out", "vs torch out= (prealloc.)")):
-        to_s = t[key].median
-        r = row(GROUP_GATED, f"{what} {label}", threads, fu_s, to_s, target="≥ PyTorch",
-                met=fu_s <= to_s, note=f"block spread ±{t['fucina'].spread * 50:.0f} % / "
-                                       f"±{t[key].spread * 50:.0f} %; {load}")
-        r["parity"] = fu_s > to_s and to_s / fu_s >= c.PARITY
-        out.append(r)
-    return out
+        return [c.vs_torch(GROUP_GATED, what, threads, t["fucina"], None, load)]
+    return [c.vs_torch(GROUP_GATED, f"{what} {label}", threads, t["fucina"], t[key], load)
+            for key, label in c.OUT_OF_PLACE_AND_OUT]
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "unary activations", lambda: _unary(k, quick))
-    for k in c.thread_counts():
-        out += c.guarded(GROUP_GATED, "gated activations", lambda: _gated(k, quick))
-    return c.finalize(out)
+    return c.finalize(c.each_thread_count(quick, (GROUP, "unary activations", _unary))
+                      + c.each_thread_count(quick, (GROUP_GATED, "gated activations", _gated)))
 
 
 if __name__ == "__main__":

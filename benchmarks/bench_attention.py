@@ -76,22 +76,13 @@ def _one(threads: int, quick: bool) -> list[dict]:
         if quick and S > 256:
             continue
         t, load = _case(threads, quick, S, H, KVH, D, backward)
-        to_s = t["torch"].median if "torch" in t else None
-        met = None if (to_s is None or not target) else t["fucina"].median <= to_s
-        r = c.row(GROUP, f"{what} seq {S}, {H} heads, d {D}", threads, t["fucina"].median, to_s,
-                  target="≥ PyTorch" if target else "", met=met,
-                  note=f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} %"
-                       + (f" / ±{t['torch'].spread * 50:.0f} %" if to_s else "") + f"; {load}")
-        r["parity"] = met is False and to_s / t["fucina"].median >= c.PARITY
-        out.append(r)
+        out.append(c.vs_torch(GROUP, f"{what} seq {S}, {H} heads, d {D}", threads, t["fucina"],
+                              t.get("torch"), load, target="≥ PyTorch" if target else ""))
     return out
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "attention", lambda: _one(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "attention", _one))
 
 
 if __name__ == "__main__":

@@ -22,16 +22,11 @@ def _tiny(threads, quick):
         stmts.update(t_mul="ta * tb", t_bwd="ts.sum().backward()")
     tm, load = C.measured(stmts, env=env, threads=threads, quick=quick, repeats=5 if quick else 11,
                           block_s=0.03 if quick else 0.1)
-    note = f"other processes used {load.cores:.1f} cores meanwhile"
-    rows = []
-    for key, what in (("mul", "a * b, 1 element, a a variable (records a node)"),
-                      ("bwd", "s.sum_all().backward(), 1 element")):
-        f = tm[f"fu_{key}"].median
-        ts = tm[f"t_{key}"].median if t is not None else None
-        rows.append(C.row("autograd overhead", what, threads, f, ts, target="≤ PyTorch",
-                          met=None if ts is None else f <= ts, note=note))
     ctx.close()
-    return rows
+    return [C.vs_torch("autograd overhead", what, threads, tm[f"fu_{key}"], tm.get(f"t_{key}"), load,
+                       target="≤ PyTorch")
+            for key, what in (("mul", "a * b, 1 element, a a variable (records a node)"),
+                              ("bwd", "s.sum_all().backward(), 1 element"))]
 
 
 def _mlp(threads, quick):
@@ -69,20 +64,14 @@ def _mlp(threads, quick):
         stmts["t"] = t_step
     tm, load = C.measured(stmts, env={}, threads=threads, quick=quick, repeats=3 if quick else 9,
                           block_s=0.1 if quick else 0.3)
-    f = tm["fu"].median
-    ts = tm["t"].median if t is not None else None
     ctx.close()
-    return [C.row("training step", f"MLP {B}x{D} -> {H} -> {K}, tanh, CE: forward + backward", threads,
-                  f, ts, target="≥ PyTorch", met=None if ts is None else f <= ts,
-                  note=f"other processes used {load.cores:.1f} cores meanwhile")]
+    return [C.vs_torch("training step", f"MLP {B}x{D} -> {H} -> {K}, tanh, CE: forward + backward",
+                       threads, tm["fu"], tm.get("t"), load)]
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in C.thread_counts():
-        out += C.guarded("autograd overhead", "tiny ops", lambda: _tiny(k, quick))
-        out += C.guarded("training step", "MLP", lambda: _mlp(k, quick))
-    return out
+    return C.each_thread_count(quick, ("autograd overhead", "tiny ops", _tiny),
+                               ("training step", "MLP", _mlp))
 
 
 if __name__ == "__main__":

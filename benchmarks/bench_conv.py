@@ -94,18 +94,9 @@ def _one(threads: int, quick: bool) -> list[dict]:
                 stmts.update({f"torch {k}": v for k, v in to_stmts.items()})
             t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                                  repeats=5 if quick else 15, block_s=0.05 if quick else 0.15)
-            variants = {k[6:]: v.median for k, v in t.items() if k.startswith("torch ")}
-            best = min(variants, key=variants.get) if variants else None
-            to_s = variants[best] if best else None
-            met = None if (to_s is None or not target) else t["fucina"].median <= to_s
-            others = ", ".join(f"{k} {c.fmt_time(v)}" for k, v in variants.items() if k != best)
-            r = c.row(GROUP, what, threads, t["fucina"].median, to_s,
-                      target="≥ PyTorch" if target else "", met=met,
-                      note=f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} %"
-                           + (f" / ±{t['torch ' + best].spread * 50:.0f} %; PyTorch's fastest: "
-                              f"{best} (also {others})" if best else "") + f"; {load}")
-            r["parity"] = met is False and to_s / t["fucina"].median >= c.PARITY
-            out.append(r)
+            best, note = c.fastest_torch(t)
+            out.append(c.vs_torch(GROUP, what, threads, t["fucina"], best, load,
+                                  target="≥ PyTorch" if target else "", note=note))
         env.clear()
     finally:
         ctx.close()
@@ -132,10 +123,7 @@ def _agree(env, torch) -> None:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "conv", lambda: _one(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "conv", _one))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import common as c
-from .common import BIG_ELEMS, row
+from .common import BIG_ELEMS
 
 GROUP_TINY = "eager overhead"
 GROUP_BW = "elementwise 64 MiB"
@@ -43,14 +43,11 @@ def _tiny(threads: int, quick: bool) -> list[dict]:
                  ("a + 1.0, 1 element f32", 1, "a + 1.0", "ta + 1.0", False),
                  ("a + b, 1 element f32, with autograd (both operands require grad)", 1,
                   "a + b", "ta + tb", True)]
-        has_ag = callable(getattr(ctx, "variable", None))
         for what, n, fu_stmt, to_stmt, grad in cases:
             rng = np.random.default_rng(n)
             x, y = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
-            make = ctx.variable if grad and has_ag else ctx.tensor
+            make = ctx.variable if grad else ctx.tensor
             env = {"a": make(x, tags=("n",)), "b": make(y, tags=("n",))}
-            if grad and not has_ag:
-                what += " — Fucina has no autograd yet: its operands are constants (reference)"
             stmts = {"fucina": fu_stmt}
             if torch is not None:
                 env.update(ta=torch.from_numpy(x.copy()).requires_grad_(grad),
@@ -58,18 +55,8 @@ def _tiny(threads: int, quick: bool) -> list[dict]:
                 stmts["torch"] = to_stmt
             t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                                  repeats=5 if quick else 15, block_s=0.01 if quick else 0.03)
-            fu_s = t["fucina"].median
-            to_s = t["torch"].median if "torch" in t else None
-            ref_only = grad and not has_ag
-            met = None if to_s is None or ref_only else fu_s <= to_s
-            note = ""
-            if to_s:
-                note = (f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} % / "
-                        f"±{t['torch'].spread * 50:.0f} %; {load}")
-            r = row(GROUP_TINY, what, threads, fu_s, to_s,
-                    target="reference" if ref_only else "≤ PyTorch", met=met, note=note)
-            r["parity"] = met is False and to_s / fu_s >= c.PARITY
-            rows.append(r)
+            rows.append(c.vs_torch(GROUP_TINY, what, threads, t["fucina"], t.get("torch"), load,
+                                   target="≤ PyTorch"))
     finally:
         ctx.close()
     return rows
@@ -84,14 +71,6 @@ BW_OPS = [
     ("scale (x * 2.0)", "a.scale(2.0)", "ta * 2.0", "torch.mul(ta, 2.0, out=tc)", 1),
     ("exp", "a.exp()", "torch.exp(ta)", "torch.exp(ta, out=tc)", 1),
 ]
-
-
-def _check(fu_val, to_val, what):
-    """Cheap sanity check that we time a correct kernel (first/last 4096 elements)."""
-    f, t = np.asarray(fu_val), np.asarray(to_val, dtype=np.float32)
-    for sl in (slice(0, 4096), slice(-4096, None)):
-        if not np.allclose(f.reshape(-1)[sl], t.reshape(-1)[sl], rtol=1e-5, atol=1e-6):
-            raise AssertionError(f"{what}: Fucina and PyTorch disagree")
 
 
 def _bandwidth_ops(threads: int, quick: bool) -> list[dict]:
@@ -121,7 +100,7 @@ def _one_bw(threads, quick, name, fu_stmt, to_stmt, out_stmt, reads, env):
     nbytes = (reads + 1) * BIG_ELEMS * 4
     stmts = {"fucina": fu_stmt}
     if torch is not None:
-        _check(eval(fu_stmt, env).numpy(), eval(to_stmt, env).numpy(), name)
+        c.check_ends(eval(fu_stmt, env).numpy(), eval(to_stmt, env).numpy(), name)
         stmts.update(torch=to_stmt, torch_out=out_stmt)
     t, load = c.measured(stmts, env=env, threads=threads, quick=quick, repeats=3 if quick else 9,
                          block_s=0.05 if quick else 0.15, before=lambda: c.sample_bandwidth(threads))
@@ -132,14 +111,12 @@ def _one_bw(threads, quick, name, fu_stmt, to_stmt, out_stmt, reads, env):
         return [c.bw_row(GROUP_BW, what, threads, t["fucina"], None, nbytes=nbytes,
                          bw_now=load.before, bw_target=True,
                          target="≥ 85 % BW", extra=f"faults/call {faults['fucina']:.0f}; {load}")]
-    out = []
-    for key, label in (("torch", "vs torch out-of-place"), ("torch_out", "vs torch out= (prealloc.)")):
-        out.append(c.bw_row(GROUP_BW, f"{what} {label}", threads, t["fucina"], t[key].median,
-                            nbytes=nbytes, bw_now=load.before, bw_target=True,
-                            target="≥ 85 % BW and ≥ PyTorch",
-                            extra=f"minor faults/call: Fucina {faults['fucina']:.0f}, "
-                                  f"torch {faults[key]:.0f}; {load}"))
-    return out
+    return [c.bw_row(GROUP_BW, f"{what} {label}", threads, t["fucina"], t[key].median,
+                     nbytes=nbytes, bw_now=load.before, bw_target=True,
+                     target="≥ 85 % BW and ≥ PyTorch",
+                     extra=f"minor faults/call: Fucina {faults['fucina']:.0f}, "
+                           f"torch {faults[key]:.0f}; {load}")
+            for key, label in c.OUT_OF_PLACE_AND_OUT]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,14 +177,9 @@ def _one_cast(threads, quick, what, fu_stmt, to_stmt, out_stmt, env):
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP_TINY, "tiny ops", lambda: _tiny(k, quick))
-    for k in c.thread_counts():
-        out += c.guarded(GROUP_BW, "bandwidth ops", lambda: _bandwidth_ops(k, quick))
-    for k in c.thread_counts():
-        out += c.guarded(GROUP_CAST, "casts", lambda: _casts(k, quick))
-    return c.finalize(out)
+    return c.finalize(c.each_thread_count(quick, (GROUP_TINY, "tiny ops", _tiny))
+                      + c.each_thread_count(quick, (GROUP_BW, "bandwidth ops", _bandwidth_ops))
+                      + c.each_thread_count(quick, (GROUP_CAST, "casts", _casts)))
 
 
 if __name__ == "__main__":

@@ -177,17 +177,16 @@ def _spirals(threads: int, quick: bool) -> list[dict]:
             p.close()
         tr.close()
         ctx.close()
-    to_s = t["torch"].median if "torch" in t else None
     out = []
     for name in setups:
-        med = t[name].median
         how = ("one worker, kernels on the C team" if name == "team" else
                f"{threads} Python-thread workers on 1-thread contexts")
-        out.append(row(GROUP, f"es-spirals iteration, population 128: evaluate on replicas "
-                              f"({name}: {how}) + update", threads, med, to_s,
-                       target="≤ PyTorch" if to_s else "", met=None if to_s is None else med <= to_s,
-                       note=f"{1 / med:.0f} it/s (torch {1 / to_s:.0f} it/s); blocks of {BLOCK} "
-                            f"members, one batched forward each; {load}" if to_s else str(load)))
+        rate = f"{1 / t[name].median:.0f} it/s" + (
+            f" (torch {1 / t['torch'].median:.0f} it/s)" if "torch" in t else "")
+        out.append(c.vs_torch(GROUP, f"es-spirals iteration, population 128: evaluate on replicas "
+                                     f"({name}: {how}) + update", threads, t[name], t.get("torch"),
+                              load, target="≤ PyTorch",
+                              note=f"{rate}; blocks of {BLOCK} members, one batched forward each"))
     return out
 
 
@@ -276,22 +275,17 @@ def _ternary(threads: int, quick: bool) -> list[dict]:
                        f"{flips} flips, top {cap} of the votes moved", votes),
             ("perturb", f"ternary perturb + restore (T-27): 4 Mi-trit tq2_0 genome, {flips} flips "
                         f"with undo log", 2 * flips)):
-        med = t[key].median
-        to_s = t["torch_" + key].median if "torch_" + key in t else None
-        out.append(row(GROUP, what, threads, med, to_s, target="≤ PyTorch" if to_s else "",
-                       met=None if to_s is None else med <= to_s,
-                       note=f"{count / med / 1e6:.0f} M flips/s; torch on unpacked int8 codes "
-                            f"(dense votes, stable sort); {load}"))
+        out.append(c.vs_torch(GROUP, what, threads, t[key], t.get("torch_" + key), load,
+                              target="≤ PyTorch",
+                              note=f"{count / t[key].median / 1e6:.0f} M flips/s; torch on unpacked "
+                                   f"int8 codes (dense votes, stable sort)"))
     return out
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "noise regeneration", lambda: _noise(k, quick))
-        out += c.guarded(GROUP, "es-spirals iteration", lambda: _spirals(k, quick))
-        out += c.guarded(GROUP, "ternary genomes", lambda: _ternary(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "noise regeneration", _noise),
+                               (GROUP, "es-spirals iteration", _spirals),
+                               (GROUP, "ternary genomes", _ternary))
 
 
 if __name__ == "__main__":

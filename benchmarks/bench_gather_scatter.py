@@ -92,14 +92,8 @@ def _one(threads: int, quick: bool) -> list[dict]:
             t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                                  repeats=(3 if heavy else 5) if quick else (7 if heavy else 15),
                                  block_s=(0.3 if heavy else 0.03) if quick else (0.6 if heavy else 0.1))
-            to_s = t["torch"].median if "torch" in t else None
-            met = None if (to_s is None or not target) else t["fucina"].median <= to_s
-            r = c.row(GROUP, what, threads, t["fucina"].median, to_s,
-                      target="≥ PyTorch" if target else "", met=met,
-                      note=f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} %"
-                           + (f" / ±{t['torch'].spread * 50:.0f} %" if to_s else "") + f"; {load}")
-            r["parity"] = met is False and to_s / t["fucina"].median >= c.PARITY
-            out.append(r)
+            out.append(c.vs_torch(GROUP, what, threads, t["fucina"], t.get("torch"), load,
+                                  target="≥ PyTorch" if target else ""))
         env.clear()
         del emb
     finally:
@@ -137,10 +131,7 @@ def _agree(env) -> None:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "indexing", lambda: _one(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "indexing", _one))
 
 
 if __name__ == "__main__":

@@ -94,21 +94,14 @@ def _one(threads: int, quick: bool) -> list[dict]:
         ctx.close()
     peaks = {k: _peak(k, R, D, K, threads) for k in stmts}
     mib = lambda b: "?" if b is None else f"{b / 2**20:.0f} MiB"  # noqa: E731
-    to_s = t["torch"].median if "torch" in t else None
-    met = None if to_s is None else t["fucina"].median <= to_s
-    r = c.row(GROUP, f"fwd + bwd {R}×{D} → {K} (mean), vs composed x @ w.T + CE", threads,
-              t["fucina"].median, to_s, target="≥ PyTorch", met=met,
-              note=f"peak memory of one step: Fucina {mib(peaks.get('fucina'))}, PyTorch "
-                   f"{mib(peaks.get('torch'))} (logits alone {R * K * 4 / 2**20:.0f} MiB); {load}")
-    r["parity"] = met is False and to_s / t["fucina"].median >= c.PARITY
-    return [r]
+    return [c.vs_torch(GROUP, f"fwd + bwd {R}×{D} → {K} (mean), vs composed x @ w.T + CE", threads,
+                       t["fucina"], t.get("torch"), load,
+                       note=f"peak memory of one step: Fucina {mib(peaks.get('fucina'))}, PyTorch "
+                            f"{mib(peaks.get('torch'))} (logits alone {R * K * 4 / 2**20:.0f} MiB)")]
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "linear_cross_entropy", lambda: _one(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "linear_cross_entropy", _one))
 
 
 if __name__ == "__main__":

@@ -35,15 +35,13 @@ def _ce(rows, threads, quick):
         stmts["t"] = t_step
     tm, load = C.measured(stmts, env={}, threads=threads, quick=quick, repeats=3 if quick else 7,
                           block_s=0.2 if quick else 0.5)
-    f = tm["fu"].median
-    ts = tm["t"].median if t is not None else None
     bw = C.bandwidth(threads)
     floor = rows * K * 4 * 3 / bw  # forward reads x twice, backward reads x and writes dx: >= 3 passes
     ctx.close()
-    return [C.row("cross-entropy", f"fwd + bwd [{rows}, {K}], mean", threads, f, ts,
-                  target="≥ 2× PyTorch", met=None if ts is None else ts >= 2 * f,
-                  note=f"memory-traffic floor ≈ {floor * 1e3:.1f} ms at {bw / 1e9:.0f} GB/s "
-                       f"(3 passes over the logits); other processes used {load.cores:.1f} cores")]
+    return [C.vs_torch("cross-entropy", f"fwd + bwd [{rows}, {K}], mean", threads, tm["fu"],
+                       tm.get("t"), load, target="≥ 2× PyTorch", at_least=2.0,
+                       note=f"memory-traffic floor ≈ {floor * 1e3:.1f} ms at {bw / 1e9:.0f} GB/s "
+                            f"(3 passes over the logits)")]
 
 
 def _mse_rope(threads, quick):
@@ -73,26 +71,18 @@ def _mse_rope(threads, quick):
         stmts.update(t_mse="F.mse_loss(ta, tb)", t_rope="t_rope()")
     tm, load = C.measured(stmts, env=env, threads=threads, quick=quick, repeats=5 if quick else 9,
                           block_s=0.1 if quick else 0.3)
-    note = f"other processes used {load.cores:.1f} cores meanwhile"
-    rows = []
-    for key, group, what in (("mse", "losses", f"mse_loss, {n} f32, mean"),
-                             ("rope", "rope", f"rope half, [{S}, {H}, {D}], prepared table")):
-        f = tm[f"fu_{key}"].median
-        ts = tm[f"t_{key}"].median if t is not None else None
-        rows.append(C.row(group, what, threads, f, ts, target="≥ PyTorch",
-                          met=None if ts is None else f <= ts, note=note))
+    rows = [C.vs_torch(group, what, threads, tm[f"fu_{key}"], tm.get(f"t_{key}"), load)
+            for key, group, what in (("mse", "losses", f"mse_loss, {n} f32, mean"),
+                                     ("rope", "rope", f"rope half, [{S}, {H}, {D}], prepared table"))]
     del a, b, q, table, env
     ctx.close()
     return rows
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in C.thread_counts():
-        for r in (256, 1024):
-            out += C.guarded("cross-entropy", f"[{r}, 151936]", lambda: _ce(r, k, quick))
-        out += C.guarded("losses", "mse / rope", lambda: _mse_rope(k, quick))
-    return out
+    return C.each_thread_count(
+        quick, *(("cross-entropy", f"[{r}, 151936]", lambda k, q, r=r: _ce(r, k, q)) for r in (256, 1024)),
+        ("losses", "mse / rope", _mse_rope))
 
 
 if __name__ == "__main__":

@@ -71,30 +71,20 @@ def _one(threads: int, quick: bool, M, K, N, tb) -> list[dict]:
         del a, b, out
     finally:
         ctx.close()
-    fu_s = t["fucina"].median
-    to_s = t["torch"].median if "torch" in t else None
     flops = 2.0 * M * K * N
-    note = f"Fucina {flops / fu_s / 1e9:.1f} GFLOP/s"
-    if to_s:
-        note += f", torch {flops / to_s / 1e9:.1f} GFLOP/s"
-    note += (f"; path {path}; block spread ±{t['fucina'].spread * 50:.0f} %"
-             + (f" / ±{t['torch'].spread * 50:.0f} %" if to_s else "") + f"; {load}")
-    met = None if not to_s else to_s / fu_s >= 0.90
-    r = c.row(GROUP, _what(M, K, N, tb), threads, fu_s, to_s,
-              target="≥ 90 % of PyTorch" if to_s else "", met=met, note=note)
-    r["gflops"] = flops / fu_s / 1e9
-    r["parity"] = False
+    note = f"Fucina {flops / t['fucina'].median / 1e9:.1f} GFLOP/s"
+    if "torch" in t:
+        note += f", torch {flops / t['torch'].median / 1e9:.1f} GFLOP/s"
+    r = c.vs_torch(GROUP, _what(M, K, N, tb), threads, t["fucina"], t.get("torch"), load,
+                   target="≥ 90 % of PyTorch", at_least=0.90, note=f"{note}; path {path}")
+    r["gflops"] = flops / t["fucina"].median / 1e9
     return [r]
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        for M, K, N, tb, _req in CASES:
-            if quick and (M, K, N, tb) not in QUICK:
-                continue
-            out += c.guarded(GROUP, _what(M, K, N, tb), lambda: _one(k, quick, M, K, N, tb))
-    return out
+    shapes = [case[:4] for case in CASES if not quick or case[:4] in QUICK]
+    return c.each_thread_count(quick, *((GROUP, _what(*s), lambda k, q, s=s: _one(k, q, *s))
+                                        for s in shapes))
 
 
 if __name__ == "__main__":

@@ -47,11 +47,6 @@ def torch_muon_step(torch, params, bufs, lr=0.02, momentum=0.95, wd=0.01):
         p.add_(o, alpha=-lr * max(1.0, rows / cols) ** 0.5)
 
 
-def _note(t, load, to_s):
-    return (f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} %"
-            + (f" / ±{t['torch'].spread * 50:.0f} %" if to_s else "") + f"; {load}")
-
-
 def _ns(threads: int, quick: bool) -> list[dict]:
     import fucina as fu
     from fucina.optim.muon import newton_schulz5
@@ -73,13 +68,8 @@ def _ns(threads: int, quick: bool) -> list[dict]:
                 stmts["torch"] = "tns(torch, tx)"
             t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                                  repeats=3 if quick else 7, block_s=0.3 if quick else 1.0)
-            to_s = t["torch"].median if "torch" in t else None
-            met = None if to_s is None else t["fucina"].median <= to_s
-            r = c.row(GROUP, f"newton_schulz5, 5 steps, f32 [{shape[0]}, {shape[1]}]", threads,
-                      t["fucina"].median, to_s, target="≥ PyTorch", met=met,
-                      note=_note(t, load, to_s))
-            r["parity"] = met is False and to_s / t["fucina"].median >= c.PARITY
-            out.append(r)
+            out.append(c.vs_torch(GROUP, f"newton_schulz5, 5 steps, f32 [{shape[0]}, {shape[1]}]",
+                                  threads, t["fucina"], t.get("torch"), load))
             env.clear()
     finally:
         ctx.close()
@@ -112,9 +102,8 @@ def _step(threads: int, quick: bool) -> list[dict]:
             stmts["torch"] = "step(torch, tp, tb)"
         t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                              repeats=3 if quick else 5, block_s=1.0 if quick else 3.0)
-        to_s = t["torch"].median if "torch" in t else None
-        r = c.row(GROUP, "Muon step, one Qwen3-0.6B block (7 matrices, 15.7 M params)",
-                  threads, t["fucina"].median, to_s, note=_note(t, load, to_s))
+        r = c.vs_torch(GROUP, "Muon step, one Qwen3-0.6B block (7 matrices, 15.7 M params)",
+                       threads, t["fucina"], t.get("torch"), load, target="")
         env.clear()
         del opt, ws
         return [r]
@@ -123,11 +112,7 @@ def _step(threads: int, quick: bool) -> list[dict]:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "newton_schulz5", lambda: _ns(k, quick))
-        out += c.guarded(GROUP, "Muon step", lambda: _step(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "newton_schulz5", _ns), (GROUP, "Muon step", _step))
 
 
 if __name__ == "__main__":

@@ -104,21 +104,17 @@ def _one(threads: int, quick: bool) -> list[dict]:
             t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                                  repeats=5 if quick else 11, block_s=0.03 if quick else 0.1)
             nbytes = q.numel // bs * bb + q.numel * 4
-            to_s = t["torch"].median if "torch" in t else None
-            met = None if to_s is None else t["fucina"].median <= to_s
-            r = c.row(GROUP, f"dequantize {fmt} → f32 {list(SHAPE)}", threads, t["fucina"].median,
-                      to_s, target="≥ PyTorch ops", met=met,
-                      note=f"{nbytes / t['fucina'].median / 1e9:.1f} GB/s (blocks read + f32 "
-                           f"written); torch = the same decode as torch tensor ops; {load}")
-            r["parity"] = met is False and to_s / t["fucina"].median >= c.PARITY
-            out.append(r)
+            out.append(c.vs_torch(GROUP, f"dequantize {fmt} → f32 {list(SHAPE)}", threads,
+                                  t["fucina"], t.get("torch"), load, target="≥ PyTorch ops",
+                                  note=f"{nbytes / t['fucina'].median / 1e9:.1f} GB/s (blocks read "
+                                       f"+ f32 written); torch = the same decode as torch tensor ops"))
         x = ctx.tensor(a, ("o", "i"))
         for fmt in xq.ENCODABLE:
             t, load = c.measured({"fucina": f"x.to('{fmt}')"}, env={"x": x}, threads=threads,
                                  quick=quick, repeats=3 if quick else 5, block_s=0.03 if quick else 0.1)
-            out.append(c.row(GROUP, f"quantize f32 → {fmt} (ggml byte-exact) {list(SHAPE)}", threads,
-                             t["fucina"].median, None,
-                             note=f"{a.size / t['fucina'].median / 1e6:.0f} M elements/s; {load}"))
+            out.append(c.vs_torch(GROUP, f"quantize f32 → {fmt} (ggml byte-exact) {list(SHAPE)}",
+                                  threads, t["fucina"], None, load,
+                                  note=f"{a.size / t['fucina'].median / 1e6:.0f} M elements/s"))
     finally:
         ctx.close()
     return out
@@ -157,8 +153,6 @@ def _matmul(threads: int, quick: bool) -> list[dict]:
                 t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                                      repeats=5 if quick else 9, block_s=0.03 if quick else 0.1)
                 fu_s = t["fucina"].median
-                to_s = t["torch"].median if "torch" in t else None
-                met = None if to_s is None else fu_s <= to_s
                 path = xq.matmul_path(x._raw, q._raw)
                 note = f"{2 * M * N * K / fu_s / 1e9:.1f} GFLOP/s"
                 if path == "gemv":   # one token: the weight's bytes are what a call streams
@@ -166,25 +160,20 @@ def _matmul(threads: int, quick: bool) -> list[dict]:
                     note += f", {nbytes / fu_s / 1e9:.1f} GB/s of blocks"
                 note += (f"; path {path}; Fucina f32 GEMM on the dequantized weight "
                          f"{c.fmt_time(t['fucina f32'].median)} (x{t['fucina f32'].median / fu_s:.2f})")
-                if to_s is not None:
+                if "torch mm" in t:
                     note += (f"; torch matmul alone on a pre-dequantized weight "
                              f"{c.fmt_time(t['torch mm'].median)} (x{t['torch mm'].median / fu_s:.2f})")
-                r = c.row(GROUP, f"dot x[{M}, {K}] · {fmt} w[{N}, {K}]ᵀ", threads, fu_s, to_s,
-                          target="≥ PyTorch dequantize + matmul", met=met,
-                          note=f"{note}; torch = dequantize (torch ops) then x @ w.T; {load}")
-                r["parity"] = met is False and to_s / fu_s >= c.PARITY
-                out.append(r)
+                out.append(c.vs_torch(GROUP, f"dot x[{M}, {K}] · {fmt} w[{N}, {K}]ᵀ", threads,
+                                      t["fucina"], t.get("torch"), load,
+                                      target="≥ PyTorch dequantize + matmul",
+                                      note=f"{note}; torch = dequantize (torch ops) then x @ w.T"))
     finally:
         ctx.close()
     return out
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "quant", lambda: _one(k, quick))
-        out += c.guarded(GROUP, "quantized matmul", lambda: _matmul(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "quant", _one), (GROUP, "quantized matmul", _matmul))
 
 
 if __name__ == "__main__":

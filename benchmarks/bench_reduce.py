@@ -96,11 +96,8 @@ def _one(threads: int, quick: bool, kind, what, shape, fu_stmt, to_stmt, moved) 
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        for case in CASES:
-            out += c.guarded(GROUPS[case[0]], case[1], lambda: _one(k, quick, *case))
-    return c.finalize(out)
+    return c.finalize(c.each_thread_count(
+        quick, *((GROUPS[case[0]], case[1], lambda k, q, case=case: _one(k, q, *case)) for case in CASES)))
 
 
 if __name__ == "__main__":

@@ -81,11 +81,8 @@ def _fills(threads: int, quick: bool) -> list[dict]:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "dropout", lambda: _dropout(k, quick))
-        out += c.guarded(GROUP, "gaussian fills", lambda: _fills(k, quick))
-    return c.finalize(out)
+    return c.finalize(c.each_thread_count(quick, (GROUP, "dropout", _dropout),
+                                          (GROUP, "gaussian fills", _fills)))
 
 
 if __name__ == "__main__":

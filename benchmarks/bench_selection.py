@@ -41,17 +41,11 @@ def _measure(out, threads, quick, what, fu_stmt, to_stmt, env, nbytes=None):
         stmts["torch"] = to_stmt
     t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                          repeats=5 if quick else 11, block_s=0.05 if quick else 0.15)
-    fu_s = t["fucina"].median
-    to_s = t["torch"].median if "torch" in t else None
-    note = f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} %"
-    if to_s:
-        note += f" / ±{t['torch'].spread * 50:.0f} %"
+    note = ""
     if nbytes:
-        note += f"; Fucina {c.fmt_gbs(nbytes / fu_s)}" + (f", torch {c.fmt_gbs(nbytes / to_s)}" if to_s else "")
-    r = c.row(GROUP, what, threads, fu_s, to_s, target="≥ PyTorch",
-              met=None if to_s is None else fu_s <= to_s, note=f"{note}; {load}")
-    r["parity"] = to_s is not None and fu_s > to_s and to_s / fu_s >= c.PARITY
-    out.append(r)
+        note = f"Fucina {c.fmt_gbs(nbytes / t['fucina'].median)}" + (
+            f", torch {c.fmt_gbs(nbytes / t['torch'].median)}" if "torch" in t else "")
+    out.append(c.vs_torch(GROUP, what, threads, t["fucina"], t.get("torch"), load, note=note))
 
 
 def _selection(threads: int, quick: bool) -> list[dict]:
@@ -161,11 +155,7 @@ def _moe(threads: int, quick: bool) -> list[dict]:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "selection", lambda: _selection(k, quick))
-        out += c.guarded(GROUP, "moe", lambda: _moe(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "selection", _selection), (GROUP, "moe", _moe))
 
 
 if __name__ == "__main__":

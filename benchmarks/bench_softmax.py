@@ -49,28 +49,25 @@ def _vocab(threads: int, quick: bool) -> list[dict]:
             _check(eval(stmts["fucina"], env).numpy(), torch.softmax(env["tx"], -1).numpy(), what)
             stmts.update(torch="torch.softmax(tx, -1)", torch_out="torch.softmax(tx, -1, out=to)")
         t, load = _measure(threads, quick, stmts, env)
-        for key, label in (("torch", "vs torch out-of-place"), ("torch_out", "vs torch out= (prealloc.)")):
-            to_s = t[key].median if key in t else None
-            out.append(c.row(GROUP, f"{what} {label}", threads, t["fucina"].median, to_s,
-                             target="≥ PyTorch", met=None if to_s is None else t["fucina"].median <= to_s,
-                             note=f"{shape[0] * shape[1] * 8 / t['fucina'].median / 1e9:.1f} GB/s read + "
-                                  f"write; {load}"))
-            if to_s is None:
+        rate = f"{shape[0] * shape[1] * 8 / t['fucina'].median / 1e9:.1f} GB/s read + write"
+        for key, label in c.OUT_OF_PLACE_AND_OUT:
+            out.append(c.vs_torch(GROUP, f"{what} {label}", threads, t["fucina"], t.get(key), load,
+                                  note=rate))
+            if torch is None:
                 break
         # log_softmax and logsumexp at the same shape (information)
         stmts = {"fucina": 'x.log_softmax("vocab")'}
         if torch is not None:
             stmts.update(torch="torch.log_softmax(tx, -1, out=to)")
         t, load = _measure(threads, quick, stmts, env)
-        out.append(c.row(GROUP, f"log_softmax forward [{shape[0]}, {shape[1]}] vs torch out=", threads,
-                         t["fucina"].median, t["torch"].median if "torch" in t else None,
-                         note=str(load)))
+        out.append(c.vs_torch(GROUP, f"log_softmax forward [{shape[0]}, {shape[1]}] vs torch out=",
+                              threads, t["fucina"], t.get("torch"), load, target=""))
         stmts = {"fucina": 'x.logsumexp("vocab")'}
         if torch is not None:
             stmts.update(torch="torch.logsumexp(tx, -1)")
         t, load = _measure(threads, quick, stmts, env)
-        out.append(c.row(GROUP, f"logsumexp [{shape[0]}, {shape[1]}]", threads, t["fucina"].median,
-                         t["torch"].median if "torch" in t else None, note=str(load)))
+        out.append(c.vs_torch(GROUP, f"logsumexp [{shape[0]}, {shape[1]}]", threads, t["fucina"],
+                              t.get("torch"), load, target=""))
         env.clear()
     finally:
         ctx.close()
@@ -109,10 +106,9 @@ def _attention(threads: int, quick: bool) -> list[dict]:
             stmts_b["torch"] = "tx.grad = None; F.softmax(tx * 0.125 + tm, -1).backward(tg)"
         for label, st in (("forward", stmts), ("forward + backward", stmts_b)):
             t, load = _measure(threads, quick, st, env)
-            to_s = t["torch"].median if "torch" in t else None
-            out.append(c.row(GROUP, f"attention softmax [{H}, {Q}, {K}] scale + [q, k] mask + causal, "
-                                    f"{label} (torch: x*s + mask with -inf causal entries)",
-                             threads, t["fucina"].median, to_s, note=str(load)))
+            out.append(c.vs_torch(GROUP, f"attention softmax [{H}, {Q}, {K}] scale + [q, k] mask + "
+                                         f"causal, {label} (torch: x*s + mask with -inf causal entries)",
+                                  threads, t["fucina"], t.get("torch"), load, target=""))
         env.clear()
         del x
     finally:
@@ -121,11 +117,8 @@ def _attention(threads: int, quick: bool) -> list[dict]:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, "softmax [1024, 151936]", lambda: _vocab(k, quick))
-        out += c.guarded(GROUP, "attention softmax", lambda: _attention(k, quick))
-    return out
+    return c.each_thread_count(quick, (GROUP, "softmax [1024, 151936]", _vocab),
+                               (GROUP, "attention softmax", _attention))
 
 
 if __name__ == "__main__":

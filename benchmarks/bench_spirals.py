@@ -90,16 +90,9 @@ def _step_row(ctx, threads: int, quick: bool) -> dict:
     t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
                          repeats=5 if quick else 15, block_s=0.05 if quick else 0.15)
     trainer.close()
-    to_s = t["torch"].median if "torch" in t else None
-    target = threads == 1
-    met = None if (to_s is None or not target) else t["fucina"].median <= to_s
-    r = c.row(GROUP, "AdamW full-batch step, 400 points, MLP 2-64-64-2 tanh (fwd + CE + bwd "
-                     "+ step + zero_grad)", threads, t["fucina"].median, to_s,
-              target="≤ PyTorch" if target else "", met=met,
-              note=f"block spread (IQR/2) ±{t['fucina'].spread * 50:.0f} %"
-                   + (f" / ±{t['torch'].spread * 50:.0f} %" if to_s else "") + f"; {load}")
-    r["parity"] = bool(met is False and to_s / t["fucina"].median >= c.PARITY)
-    return r
+    return c.vs_torch(GROUP, "AdamW full-batch step, 400 points, MLP 2-64-64-2 tanh (fwd + CE + bwd "
+                             "+ step + zero_grad)", threads, t["fucina"], t.get("torch"), load,
+                      target="≤ PyTorch" if threads == 1 else "")
 
 
 def _demo_rows(quick: bool) -> list[dict]:
@@ -121,11 +114,8 @@ def _demo_rows(quick: bool) -> list[dict]:
 
 
 def rows(quick: bool = False) -> list[dict]:
-    out = []
-    for k in c.thread_counts():
-        out += c.guarded(GROUP, f"AdamW step, {k} thread(s)", lambda: _step_rows(k, quick))
-    out += c.guarded(GROUP, "default demo", lambda: _demo_rows(quick))
-    return out
+    return (c.each_thread_count(quick, (GROUP, "AdamW step", _step_rows))
+            + c.guarded(GROUP, "default demo", lambda: _demo_rows(quick)))
 
 
 if __name__ == "__main__":

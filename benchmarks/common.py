@@ -413,12 +413,68 @@ def row(group: str, what: str, threads, fucina: float | None, torch_s: float | N
             "ratio": ratio, "target": target, "met": met, "note": note, "unit": unit}
 
 
-def guarded(group: str, what: str, fn) -> list[dict]:
+def vs_torch(group: str, what: str, threads, fucina: Timing, torch_t: Timing | None, load=None,
+             *, target: str = "≥ PyTorch", at_least: float = 1.0, note: str = "") -> dict:
+    """The row of an op timed against PyTorch by measured(): the two medians, met when
+    torch / Fucina >= `at_least` (None without PyTorch or without a target), a loss by less
+    than 2 % at `at_least` = 1 marked parity; the note gives both block spreads, then `note`,
+    then `load` (the ForeignLoad of the measurement)."""
+    fu_s = fucina.median
+    to_s = torch_t.median if torch_t is not None else None
+    target = target if to_s is not None else ""
+    met = None if not target else to_s >= at_least * fu_s
+    spread = f"block spread (IQR/2) ±{fucina.spread * 50:.0f} %"
+    if torch_t is not None:
+        spread += f" / ±{torch_t.spread * 50:.0f} %"
+    r = row(group, what, threads, fu_s, to_s, target=target, met=met,
+            note="; ".join(s for s in (spread, note, "" if load is None else str(load)) if s))
+    r["parity"] = met is False and at_least == 1.0 and to_s / fu_s >= PARITY
+    return r
+
+
+def fastest_torch(t: dict, prefix: str = "torch ") -> tuple:
+    """(Timing, note) of the fastest PyTorch formulation among the timings keyed
+    `prefix + name`; the note names it and the others' medians. (None, "") when there is none."""
+    variants = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+    if not variants:
+        return None, ""
+    best = min(variants, key=lambda k: variants[k].median)
+    others = ", ".join(f"{k} {fmt_time(v.median)}" for k, v in variants.items() if k != best)
+    return variants[best], f"PyTorch's fastest: {best}" + (f" (also {others})" if others else "")
+
+
+# the two PyTorch competitors of an op with an out= form: (key in the timings, label)
+OUT_OF_PLACE_AND_OUT = (("torch", "vs torch out-of-place"), ("torch_out", "vs torch out= (prealloc.)"))
+
+
+def each_thread_count(quick: bool, *parts) -> list[dict]:
+    """The rows of every part at each thread count (all parts at 1 thread, then at 2): a part
+    is (group, what, fn) with fn(threads, quick) -> rows; a failing part gives one error row."""
+    out = []
+    for k in thread_counts():
+        for group, what, fn in parts:
+            out += guarded(group, what, lambda: fn(k, quick), threads=k)
+    return out
+
+
+def check_ends(got, want, what: str, *, rtol: float = 1e-5, atol: float = 1e-6, n: int = 4096):
+    """Cheap sanity check that a correct kernel is timed: the first and last `n` elements of
+    Fucina's and PyTorch's results agree."""
+    import numpy as np
+
+    f = np.asarray(got).reshape(-1)
+    t = np.asarray(want, dtype=np.float32).reshape(-1)
+    for sl in (slice(0, n), slice(-n, None)):
+        if not np.allclose(f[sl], t[sl], rtol=rtol, atol=atol):
+            raise AssertionError(f"{what}: Fucina and PyTorch disagree")
+
+
+def guarded(group: str, what: str, fn, threads="") -> list[dict]:
     """fn() -> rows; an exception becomes one row saying what failed instead of ending the run."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - a benchmark run reports, it does not crash
-        return [row(group, what, "", None, met=False, note=f"error: {type(e).__name__}: {e}")]
+        return [row(group, what, threads, None, met=False, note=f"error: {type(e).__name__}: {e}")]
 
 
 def faults_per_call(stmt, env: dict, calls: int = 5) -> float:
