@@ -213,7 +213,7 @@ class NormMethods:
                 raise TypeError(f"{op}: expected {what} as a tensor, got None")
             _param(op, what, self, p, channel_tag, K, True)
         s = (self * alpha).unary("sin")
-        return self + inv_b * (s * s)
+        return self + (s * s) * inv_b  # x-major operand first: the result keeps x's axis order
 
     def standardize_axis(self, tag: str, *, ddof: int = 0, eps: float = 0.0,
                          eps_mode: str = "outside_sqrt", accumulation: str = "f32",
