@@ -27,6 +27,7 @@ BLOCK = [("q", (2048, 1024)), ("k", (1024, 1024)), ("v", (1024, 1024)), ("o", (1
          ("gate", (3072, 1024)), ("up", (3072, 1024)), ("down", (1024, 3072))]
 EMBED = [("embed", (151936, 1024))]
 GROUP = "optimizer step"
+TORCH_BYTES = {"AdamW": 28, "SGD": 20}  # torch keeps f32 state
 
 # kind, fucina options, bytes per parameter, target ratio vs torch fused
 VARIANTS = [
@@ -83,17 +84,16 @@ def _one(label, shapes, kind, options, per_param, target, threads, quick, torch_
             tgt = target if mode == "fused" else 1.0
             what = f"{kind}{' momentum 0.9' if kind == 'SGD' else ''}, {state}, {label}" \
                    + (f" vs torch {mode}=True" if mode else "")
-            met = None if ts is None else ts >= tgt * f
-            out.append(C.row(
-                GROUP, what, threads, f, ts,
-                target=f"≥ {tgt:g}× PyTorch" if mode else "", met=met,
+            out.append(C.vs_torch(
+                GROUP, what, threads, tm["fucina"], tm[mode] if mode else None, load,
+                target=f"≥ {tgt:g}× PyTorch" if mode else "", at_least=tgt,
                 note=f"memory-traffic floor {floor * 1e3:.2f} ms ({per_param} B/param at "
                      f"{bw / 1e9:.0f} GB/s, STREAM scale); speed vs the floor: Fucina "
                      f"median {floor / f:.0%}, best block {floor / tm['fucina'].best:.0%}"
                      + (f"; torch median {floor / ts:.0%}, best {floor / tm[mode].best:.0%}"
-                        if ts else "") + f"; {load}"))
-            # two bandwidth-bound loops at one speed: losing by < 2 % is parity (common.PARITY)
-            out[-1]["parity"] = met is False and tgt == 1.0 and ts / f >= C.PARITY
+                        if ts else "")
+                     + (f"; bound at equal bandwidth (torch moves {TORCH_BYTES[kind]} B/param): "
+                        f"{TORCH_BYTES[kind] / per_param:.2f}×" if per_param < TORCH_BYTES[kind] else "")))
         del stmts, ws, opt
     finally:
         ctx.close()
