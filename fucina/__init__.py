@@ -32,14 +32,14 @@ __all__ = ["elemental", "rng", "ExecContext", "ExecScope", "Tensor", "einsum_man
            "GradcheckResult", *_errors]
 for _family in (_attention, _checkpoint, _conv, _gather_scatter, _selection):
     __all__ += _family.__all__
-_TRAINING = ("es", "gguf", "io", "lora", "optim")  # the training layer: imported on first use
-__all__ += list(_TRAINING)
+_LAZY = ("es", "gguf", "io", "lora", "optim", "llm")  # layers 5 and 6: imported on first use
+__all__ += list(_LAZY)
 
 
 def __getattr__(name):
-    """`fu.optim`, `fu.io`, `fu.es`, `fu.gguf` load when first touched, so `import fucina`
-    stays fast for code that never trains."""
-    if name in _TRAINING:
+    """`fu.optim`, `fu.io`, `fu.es`, `fu.gguf`, `fu.lora`, `fu.llm` load when first touched, so
+    `import fucina` stays fast for code that never trains."""
+    if name in _LAZY:
         import importlib
 
         module = importlib.import_module(f".{name}", __name__)

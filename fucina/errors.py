@@ -134,4 +134,9 @@ globals().update(_family(LlmError, [
     "UnknownAdapterName", "MissingLoraB", "OrphanLoraB", "NoAdaptersFound", "InvalidStateDict"],
     "LLM-layer error."))
 
+
+class UnsupportedTokenizer(LlmError, ValueError):
+    """The GGUF tokenizer is not one fucina.llm implements, or its metadata is inconsistent.
+    Not in the SPEC catalogue: the reference reports these as untyped load errors."""
+
 __all__ = [n for n, v in globals().items() if isinstance(v, type) and issubclass(v, FucinaError)]
