@@ -240,3 +240,244 @@ def test_integer_ops(ctx):
         x + 1.5
     with pytest.raises(fu.DTypeError):
         x + ctx.tensor([1.0, 2, 3, 4], ("n",))
+
+
+# ---- transposed operands: register tiles -----------------------------------------------------
+# When an input's stride-1 axis is not the output's, the kernel walks V x V register tiles
+# (codegen.elementwise._build_tiled). Each case below is checked against numpy and bit for bit
+# against the in-order kernel that served these layouts before (tiles switched off).
+
+from fucina.codegen.elementwise import BLOCK, TILE  # noqa: E402
+from fucina.exec import elementwise as ew  # noqa: E402
+
+STORE = {"f32": np.uint32, "f16": np.uint16, "bf16": np.uint16, "i64": np.int64, "bool": np.uint8}
+
+
+def raw_random(ctx, rng, shape, dtype):
+    """A contiguous raw tensor of random storage bits: every NaN payload, subnormal and
+    infinity of a float format (i64: the full range; bool: 0/1)."""
+    t = ctx.empty(tuple(shape), dtype)
+    n = int(np.prod(shape))
+    st = STORE[dtype]
+    if dtype == "bool":
+        vals = rng.integers(0, 2, n, dtype=st)
+    else:
+        vals = rng.integers(np.iinfo(st).min, np.iinfo(st).max, n, dtype=st, endpoint=True)
+    np.frombuffer(t.buf, st, count=n)[:] = vals
+    return t
+
+
+def raw_normal(ctx, rng, shape, dtype="f32"):
+    """Normal values with the special values sprinkled in (for ops checked against numpy)."""
+    a = rng.standard_normal(shape).astype(np.float32).ravel()
+    a[rng.integers(0, a.size, a.size // 8)] = rng.choice(SPECIALS, a.size // 8)
+    return ctx.from_numpy(a.reshape(shape), None, dtype)
+
+
+def storage_bits(raw):
+    a = np.ascontiguousarray(raw.storage_view())
+    return a.view({8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}[a.itemsize])
+
+
+def check_tiled(monkeypatch, fn, want, payloads=True):
+    """fn() -> a raw result: equal to numpy's `want` (NaNs alike) and, bit for bit, to the
+    in-order kernel's result, NaN payloads included unless `payloads` is False: from two NaN
+    operands x86 returns the first source's payload, and LLVM may commute an fadd, so which
+    one comes out is the instruction selector's choice in any kernel."""
+    got = fn()
+    assert_bitwise(got.to_numpy(), want)
+    with monkeypatch.context() as m:
+        m.setattr(ew, "_tile_axes", lambda shape, strides: None)
+        m.setattr(ew, "_plans", {})
+        m.setattr(ew, "_runs", {})
+        ref = fn()
+    same = storage_bits(got) == storage_bits(ref)
+    if not payloads and got.dtype != "i64":
+        same |= np.isnan(got.to_numpy()) & np.isnan(ref.to_numpy())
+    assert same.all(), f"{(~same).sum()} elements differ from the in-order kernel"
+    return got
+
+
+def key_roles(op, out_dtype, shape, operands, out=None):
+    k = ew.key_of(op, out_dtype, shape, operands, out)
+    return k.out_role, k.roles
+
+
+SOURCES = [(1, 7), (7, 300), (16, 16), (17, 33), (33, 17), (1023, 17), (65, 130), (130, 1023)]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "i64", "bool"])
+@pytest.mark.parametrize("rows,cols", SOURCES)
+def test_transposed_copy_every_dtype(ctx, monkeypatch, dtype, rows, cols):
+    """materialize of a transposed [rows, cols]: tiles when the source rows are >= TILE long."""
+    rng = np.random.default_rng(rows * cols)
+    src = raw_random(ctx, rng, (rows, cols), dtype)
+    x = src.permute((1, 0))
+    walk = ("linear", ("unit",)) if rows == 1 else ("tile", ("trans",)) if cols >= TILE \
+        else ("linear", ("strided",))
+    assert key_roles("copy", dtype, x.shape, [x]) == walk
+    got = check_tiled(monkeypatch, lambda: ew.materialize(ctx, x), x.to_numpy())
+    if dtype in ("f32", "i64", "bool"):  # a plain copy: every bit, NaN payloads too
+        assert np.array_equal(storage_bits(got), storage_bits(src).T)
+
+
+@pytest.mark.parametrize("src_dt,dst_dt", [("f32", "bf16"), ("f32", "f16"), ("bf16", "f32"),
+                                           ("f16", "f32"), ("bf16", "f16"), ("f32", "i64"),
+                                           ("i64", "f32"), ("f32", "bool"), ("bool", "bf16")])
+def test_transposed_cast(ctx, monkeypatch, src_dt, dst_dt):
+    """to(dtype) of a transposed view equals the cast of its contiguous copy (the linear walk)."""
+    rng = np.random.default_rng(8)
+    for rows, cols in [(33, 17), (65, 130)]:
+        src = raw_random(ctx, rng, (rows, cols), src_dt)
+        if src_dt == "f32" and dst_dt == "i64":  # in range: the saturation is not the point here
+            src = raw_normal(ctx, rng, (rows, cols))
+        x = src.permute((1, 0))
+        assert ew.key_of("copy", dst_dt, x.shape, [x]).out_role == "tile"
+        flat = ctx.empty(x.shape, src_dt)  # x's storage bits in order, copied by numpy
+        np.frombuffer(flat.buf, STORE[src_dt], count=x.numel)[:] = storage_bits(x).ravel()
+        want = ew.cast(ctx, flat, dst_dt).to_numpy()
+        check_tiled(monkeypatch, lambda: ew.cast(ctx, x, dst_dt), want)
+
+
+@pytest.mark.parametrize("op", sorted(BINARY))
+def test_binary_with_transposed_operands(ctx, monkeypatch, op):
+    """Every tile role against numpy: unit, trans, zero along B (a column), zero along A (a
+    row), and a by-value scalar, at sizes with partial tiles and several chunks."""
+    rng = np.random.default_rng(9)
+    for R, C in [(37, 45), (130, 67)]:
+        a = raw_normal(ctx, rng, (R, C))
+        bt = raw_normal(ctx, rng, (C, R)).permute((1, 0))       # [R, C], stride-1 along R
+        ct = raw_normal(ctx, rng, (C, R)).permute((1, 0))
+        col = raw_normal(ctx, rng, (R, 1)).view((R, C), (1, 0))  # one value per row
+        row = raw_normal(ctx, rng, (1, C)).view((R, C), (0, 1))  # one value per column
+        cases = [((a, bt), ("unit", "trans")), ((bt, a), ("trans", "unit")),
+                 ((bt, ct), ("trans", "trans")), ((bt, col), ("trans", "zero")),
+                 ((row, bt), ("unit", "trans")), ((bt, 0.75), ("trans", "param"))]
+        for operands, roles in cases:
+            assert key_roles(op, "f32", (R, C), operands) == ("tile", roles)
+            with np.errstate(all="ignore"):
+                want = BINARY[op](*[x.to_numpy() if isinstance(x, fu.exec.RawTensor) else np.float32(x)
+                                    for x in operands]).astype(np.float32)
+            check_tiled(monkeypatch, lambda: ew.run(ctx, op, "f32", (R, C), operands), want, False)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "i64"])
+def test_binary_transposed_other_dtypes(ctx, monkeypatch, dtype):
+    rng = np.random.default_rng(10)
+    a = raw_random(ctx, rng, (40, 50), dtype)
+    bt = raw_random(ctx, rng, (50, 40), dtype).permute((1, 0))
+    assert key_roles("add", dtype, (40, 50), (a, bt))[0] == "tile"
+    if dtype == "i64":
+        with np.errstate(all="ignore"):
+            want = a.to_numpy() + bt.to_numpy()
+    else:  # widen, add in f32, narrow: the same op on contiguous operands
+        want = ew.run(ctx, "add", dtype, (40, 50), (a, ew.materialize(ctx, bt))).to_numpy()
+    check_tiled(monkeypatch, lambda: ew.run(ctx, "add", dtype, (40, 50), (a, bt)), want, False)
+
+
+def test_permutes_3d_4d(ctx, monkeypatch):
+    """Every permutation of a 3-D and a 4-D tensor (each walk: in order, or tiles with outer
+    axes and axes merged around the tile plane), f32 and bf16, through Tensor.permute."""
+    import itertools
+
+    rng = np.random.default_rng(11)
+    for shape in [(33, 5, 20), (2, 17, 3, 20)]:
+        tags = tuple("abcd"[:len(shape)])
+        for dtype in ("f32", "bf16"):
+            a = rng.standard_normal(shape).astype(np.float32)
+            t = ctx.tensor(a, tags, dtype=dtype)
+            ref = t.numpy()
+            for perm in itertools.permutations(range(len(shape))):
+                x = t.permute(tuple(tags[p] for p in perm))
+                got = check_tiled(monkeypatch, lambda: ew.materialize(ctx, x._raw),
+                                  np.transpose(ref, perm))
+                assert got.is_contiguous()
+
+
+def test_tile_roles_mixed_in_one_kernel(ctx, monkeypatch):
+    """where(cond, x, y) over [i, j, k] with x stride-1 along i and y along j: tiles of the
+    (i, k) plane with j outside, cond a unit operand (bool), y read element by element."""
+    rng = np.random.default_rng(12)
+    I, J, K = 20, 3, 18
+    c = raw_random(ctx, rng, (I, J, K), "bool")
+    x = raw_normal(ctx, rng, (K, J, I)).permute((2, 1, 0))
+    y = raw_normal(ctx, rng, (I, K, J)).permute((0, 2, 1))
+    assert ew.key_of("where", "f32", (I, J, K), (c, x, y)).roles == ("unit", "trans", "strided")
+    want = np.where(c.to_numpy(), x.to_numpy(), y.to_numpy())
+    check_tiled(monkeypatch, lambda: ew.run(ctx, "where", "f32", (I, J, K), (c, x, y)), want)
+    col = raw_normal(ctx, rng, (I, J, 1)).view((I, J, K), (J, 1, 0))  # stride 0 along k: zero
+    assert ew.key_of("add", "f32", (I, J, K), (x, col)).roles == ("trans", "zero")
+    check_tiled(monkeypatch, lambda: ew.run(ctx, "add", "f32", (I, J, K), (x, col)),
+                x.to_numpy() + col.to_numpy(), False)
+
+
+def test_tiles_fall_back_when_their_arguments_do_not_fit(ctx):
+    """A rank-6 where() of three unmergeable operands: the tiled argument block (output strides
+    included) would exceed the launch's MAX_ARGS ints, so the in-order walk serves it."""
+    from fucina.runtime import MAX_ARGS
+
+    rng = np.random.default_rng(15)
+    shape = (17, 2, 3, 2, 3, 5)
+    x = raw_normal(ctx, rng, shape[::-1]).permute((5, 4, 3, 2, 1, 0))  # stride 1 along axis 0
+
+    def padded(dtype):  # every axis one longer, then narrowed: no two axes merge
+        big = raw_random(ctx, rng, tuple(d + 1 for d in shape), dtype)
+        return big.view(shape, big.strides)
+
+    c, y = padded("bool"), padded("f32")
+    k = ew.key_of("where", "f32", shape, (c, x, y))
+    assert (k.out_role, k.rank) == ("linear", 6)
+    assert 1 + 3 + 6 * (1 + 4) > MAX_ARGS
+    got = ew.run(ctx, "where", "f32", shape, (c, x, y)).to_numpy()
+    assert_bitwise(got, np.where(c.to_numpy(), x.to_numpy(), y.to_numpy()))
+
+
+def test_transposed_destination(ctx, monkeypatch):
+    """out= a transposed view: the tile plane follows the output's stride-1 axis; in place
+    (out also an input, as einsum's accumulate does) reads each element before writing it."""
+    rng = np.random.default_rng(13)
+    R, C = 45, 70
+    src = raw_normal(ctx, rng, (R, C))
+    dst_t = ctx.empty((C, R))
+    dst = dst_t.permute((1, 0))  # [R, C] with stride 1 along R
+    assert key_roles("copy", "f32", (R, C), [src], out=dst) == ("tile", ("trans",))
+    check_tiled(monkeypatch, lambda: ew.run(ctx, "copy", "f32", (R, C), [src], out=dst), src.to_numpy())
+    before = dst.to_numpy()
+    ew.run(ctx, "add", "f32", (R, C), (dst, src), out=dst)
+    with np.errstate(all="ignore"):
+        want = before + src.to_numpy()
+    assert_bitwise(dst.to_numpy(), want)
+    assert_bitwise(dst_t.to_numpy(), want.T)
+
+
+def test_tiles_need_a_full_tile_along_the_read_axis(ctx):
+    """Shorter than TILE along the input's stride-1 axis, the in-order walk stays: each line it
+    reads is reused by the next outputs."""
+    for n in (2, TILE - 1):
+        x = ctx.empty((4096, n)).permute((1, 0))
+        assert key_roles("copy", "f32", x.shape, [x]) == ("linear", ("strided",))
+    x = ctx.empty((4096, TILE)).permute((1, 0))
+    assert key_roles("copy", "f32", x.shape, [x]) == ("tile", ("trans",))
+    q = ctx.empty((64, 16, 128)).permute((1, 0, 2))  # [seq, head, d] -> [head, seq, d]: rows of d
+    assert key_roles("copy", "f32", q.shape, [q]) == ("linear", ("unit",))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_tiled_thread_count_never_changes_bits(ctx1, ctx2, dtype):
+    rng = np.random.default_rng(14)
+    R, C = 1000, 3 * BLOCK + 5
+    a = rng.standard_normal((C, R)).astype(np.float32)
+    b = rng.standard_normal((R, C)).astype(np.float32)
+    outs = []
+    for c in (ctx1, ctx2):
+        x = c.tensor(a, ("c", "r"), dtype=dtype).permute(("r", "c"))
+        y = c.tensor(b, ("r", "c"), dtype=dtype)
+        assert ew.key_of("add", dtype, (R, C), (y._raw, x._raw)).out_role == "tile"
+        _, chunks, cost, _ = ew.plan_of("add", dtype, (R, C), (y._raw, x._raw))
+        assert c.threads == 1 or c.team_for(chunks, cost) is not None  # really split at 2
+        outs.append([x.contiguous().data_const().copy(), (y + x).data_const().copy(),
+                     x.to("f32" if dtype == "bf16" else "bf16").data_const().copy()])
+    for p, q in zip(*outs):
+        assert np.array_equal(p.view(np.uint8), q.view(np.uint8))
+    want = ctx1.tensor(a, ("c", "r"), dtype=dtype).data_const().T  # a copy moves bits unchanged
+    assert np.array_equal(outs[0][0], want)
