@@ -135,6 +135,11 @@ globals().update(_family(LlmError, [
     "LLM-layer error."))
 
 
+class UnsupportedModel(LlmError, ValueError):
+    """The GGUF file is not a model fucina.llm runs (another architecture, or inconsistent
+    hyperparameters). Not in the SPEC catalogue: the reference reports these as load errors."""
+
+
 class UnsupportedTokenizer(LlmError, ValueError):
     """The GGUF tokenizer is not one fucina.llm implements, or its metadata is inconsistent.
     Not in the SPEC catalogue: the reference reports these as untyped load errors."""

@@ -71,6 +71,15 @@ def test_all_ignored_mean_is_zero(ctx):
     assert x.grad().numpy().tolist() == [[0, 0], [0, 0]]
 
 
+def test_python_list_labels_with_the_u64_ignore_index(ctx):
+    """fu.llm's IGNORE_INDEX is 2^64 - 1: a plain list mixing it with ids is read as uint64."""
+    ign = 2**64 - 1
+    x = ctx.tensor(np.array([[1.0, 2.0, 0.5], [3.0, 4.0, 1.0]], np.float32), ("r", "c"))
+    got = x.cross_entropy("c", [1, ign], ignore_index=ign).item()
+    ref = torch.nn.functional.cross_entropy(torch.tensor([[1.0, 2.0, 0.5]]), torch.tensor([1]))
+    assert got == pytest.approx(ref.item(), rel=1e-6)
+
+
 def test_errors(ctx):
     x = ctx.tensor(np.zeros((2, 3), np.float32), ("r", "c"))
     with pytest.raises(fu.InvalidDataLength, match="expected 2 labels"):

@@ -28,6 +28,10 @@ def _host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=N
             raise TagError(f"{op}: expected labels tagged {tuple(positions)} (the positions, in the "
                            f"logits' axis order), got {labels.tags}")
         arr = labels._live(op).to_numpy()
+    elif isinstance(labels, (list, tuple)) and labels and all(
+            type(v) is int and 0 <= v < 1 << 64 for v in labels):
+        arr = np.array(labels, dtype=np.uint64)  # ids mixed with 2^64 - 1 (IGNORE_INDEX): numpy
+        # would otherwise pick float64
     else:
         arr = np.asarray(labels)
     arr = arr.reshape(-1)

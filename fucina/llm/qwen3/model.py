@@ -1,0 +1,258 @@
+"""The Qwen3 decoder over frozen GGUF weights: the forward of SPEC T-21 steps 1-3, op for op.
+
+    f = fu.gguf.read(path, ctx)
+    model = Model.from_gguf(ctx, f)
+    with ctx.exec_scope():
+        logits = model.forward_logits(tokens)          # [seq, vocab], tags ("seq", "vocab")
+
+Weights stay as the file stores them (f32, f16, bf16 or block-quantized, memory-mapped, never
+copied): every linear is a frozen right operand of `dot` (SPEC A-8), so gradients reach the
+activations only. Matrices are retagged [out, in] with the axis names below; 1-D norm weights
+are widened to f32 when stored narrower (they are small). `output.weight` absent means the
+output projection is tied to token_embd. `widen_frozen=True` instead decodes every matrix to an
+f32 copy once (more memory, plain f32 GEMMs forward and backward): the finetune demo's default.
+
+One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
+deltas to the frozen projections (None = the plain model):
+    attn_in = x.rms_norm_mul("embed", attn_norm, eps)
+    q, k, v = attn_in · Wq/Wk/Wv (a fused attn_qkv weight is split after its one dot)
+    q_rope = q3.rms_norm_mul_rope_half_prepared("seq", "d", q_norm, eps, table)   (same for k)
+    attn = q_rope.grouped_attention(k_rope, v3, kv_head_for_head, "attn", 1/sqrt(f32(head_dim)))
+    h = x + attn · Wo;  ffn_in = h.rms_norm_mul("embed", ffn_norm, eps)
+    x' = h + (up.swiglu(gate)) · Wdown      (up·silu(gate))
+llama-arch files run the same layer without the QK-norm and with interleaved RoPE pairs.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import gguf
+from ...ag.tensor import Tensor
+from ...errors import IndexOutOfBounds, InvalidSequenceLength, ShapeMismatch
+from ...exec.quant import BLOCKS
+from .config import Config, UnsupportedModel
+
+__all__ = ["Model", "Layer", "LINEARS"]
+
+# projection -> (GGUF tensor, input tag, output tag); a weight is tagged (output, input)
+LINEARS = {"q": ("attn_q", "embed", "q"), "k": ("attn_k", "embed", "k"),
+           "v": ("attn_v", "embed", "v"), "o": ("attn_output", "attn", "embed"),
+           "gate": ("ffn_gate", "embed", "ffn"), "up": ("ffn_up", "embed", "ffn"),
+           "down": ("ffn_down", "ffn", "embed")}
+MATRIX_DTYPES = ("f32", "f16", "bf16", *BLOCKS)
+
+
+@dataclass
+class Layer:
+    """One block's frozen weights: `linear[name]` for q, k, v, o, gate, up, down (q/k/v None
+    when the file fuses them into `qkv`, tagged ("qkv", "embed")), and the f32 norm weights."""
+
+    linear: dict
+    qkv: Tensor | None
+    attn_norm: Tensor
+    ffn_norm: Tensor
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+
+
+def _retag(t: Tensor, tags: tuple) -> Tensor:
+    """A caller-owned constant sharing t's storage under new tags (never scope-adopted)."""
+    return Tensor(t._live("qwen3.Model"), tags)
+
+
+class Model:
+    """A loaded model: `config`, `token_embd`, `output_norm`, `output`, `layers`, and the RoPE
+    tables it has built, cached per (offset, length) for its lifetime (checkpoint nodes and
+    recorded graphs hold them)."""
+
+    def __init__(self, ctx, config: Config, token_embd, output_norm, output, layers, source=None):
+        self.ctx, self.config = ctx, config
+        self.token_embd, self.output_norm, self.output = token_embd, output_norm, output
+        self.layers = layers
+        self.source = source          # the GGUFFile whose mapping backs the weights
+        self._tables = {}
+
+    def __repr__(self):
+        c = self.config
+        return (f"qwen3.Model({c.arch}, {c.num_layers} layers, hidden {c.hidden}, heads "
+                f"{c.heads}/{c.kv_heads}x{c.head_dim}, ffn {c.ffn}, vocab {c.vocab})")
+
+    # ---- loading ----
+    @classmethod
+    def from_gguf(cls, ctx, gguf_file, *, widen_frozen: bool = False) -> "Model":
+        """The model of a GGUF file (a `fu.gguf.read(path, ctx)` result or a path). Missing or
+        unusable tensors raise UnsupportedModel, wrong sizes ShapeMismatch (naming the tensor)."""
+        if isinstance(gguf_file, (str, bytes, os.PathLike)):
+            gguf_file = gguf.read(gguf_file, ctx)
+        if not isinstance(gguf_file, gguf.GGUFFile):
+            raise TypeError(f"qwen3.Model.from_gguf: expected a GGUF file (fu.gguf.read) or a path, "
+                            f"got {type(gguf_file).__name__}")
+        if not isinstance(widen_frozen, bool):
+            raise TypeError(f"qwen3.Model.from_gguf: expected widen_frozen as a bool, got "
+                            f"{widen_frozen!r}")
+        cfg = Config.from_gguf(gguf_file)
+        load = _Loader(ctx, gguf_file, cfg, widen_frozen)
+        embd = load.matrix("token_embd.weight", ("vocab", "embed"), (cfg.vocab, cfg.hidden))
+        if "output.weight" in gguf_file.tensors:
+            out = load.matrix("output.weight", ("vocab", "embed"), (cfg.vocab, cfg.hidden))
+        else:
+            out = embd   # tied
+        layers = [load.layer(i) for i in range(cfg.num_layers)]
+        return cls(ctx, cfg, embd, load.vector("output_norm.weight", cfg.hidden), out, layers,
+                   gguf_file)
+
+    # ---- forward ----
+    def rope_table(self, offset: int, length: int):
+        """The RoPE table of positions offset .. offset + length - 1 (feature_dim = the rotary
+        span, head_dim unless the file says otherwise; theta = rope_theta), built once per
+        (offset, length)."""
+        key = (int(offset), int(length))
+        table = self._tables.get(key)
+        if table is None:
+            c = self.config
+            table = self._tables[key] = self.ctx.prepare_rope_table(
+                range(key[0], key[0] + key[1]), c.rope_dim, c.rope_theta)
+        return table
+
+    def embed(self, tokens) -> Tensor:
+        """Step 1: the token rows of the (frozen) embedding, f32 [seq, embed]."""
+        e = self.token_embd
+        if e.dtype in BLOCKS:
+            return e.get_rows("vocab", tokens, "seq")
+        x = e.gather("vocab", tokens, "seq")
+        return x if x.dtype == "f32" else x.to("f32")
+
+    def linear(self, layer: int, name: str, x: Tensor, adapt=None) -> Tensor:
+        """x · W_name of one layer (contracting the weight's input tag), then adapt(name, x,
+        base) when given. (q, k, v go through `attention_inputs`, which knows fused weights.)"""
+        base = x.dot(self.layers[layer].linear[name], LINEARS[name][1])
+        return base if adapt is None else adapt(name, x, base)
+
+    def attention_inputs(self, layer: int, attn_in: Tensor, adapt=None) -> tuple:
+        """q [seq, q], k [seq, k], v [seq, v] (step 2b-c)."""
+        w = self.layers[layer]
+        if w.qkv is None:
+            return tuple(self.linear(layer, n, attn_in, adapt) for n in ("q", "k", "v"))
+        c = self.config
+        fused = attn_in.dot(w.qkv, "embed")
+        out, start = [], 0
+        for name, n in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
+            base = fused.narrow("qkv", start, n).reshape(("seq", name), (fused.shape[0], n))
+            out.append(base if adapt is None else adapt(name, attn_in, base))
+            start += n
+        return tuple(out)
+
+    def layer(self, l: int, x: Tensor, table, adapt=None) -> Tensor:
+        """Step 2: one decoder block, x [seq, embed] -> [seq, embed]."""
+        c, w = self.config, self.layers[l]
+        eps = c.rms_eps
+        attn_in = x.rms_norm_mul("embed", w.attn_norm, eps)
+        q, k, v = self.attention_inputs(l, attn_in, adapt)
+        q3 = q.split_axis("q", ("head", "d"), (c.heads, c.head_dim))
+        k3 = k.split_axis("k", ("kv_head", "d"), (c.kv_heads, c.head_dim))
+        v3 = v.split_axis("v", ("kv_head", "d"), (c.kv_heads, c.head_dim))
+        if c.qk_norm:
+            q_rope = q3.rms_norm_mul_rope_half_prepared("seq", "d", w.q_norm, eps, table)
+            k_rope = k3.rms_norm_mul_rope_half_prepared("seq", "d", w.k_norm, eps, table)
+        else:
+            q_rope = q3.rope("seq", "d", table, c.rope_mode)
+            k_rope = k3.rope("seq", "d", table, c.rope_mode)
+        scale = float(np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
+        attn = q_rope.grouped_attention(k_rope, v3, c.kv_head_for_head, "attn", scale)
+        h = x.add(self.linear(l, "o", attn, adapt))
+        ffn_in = h.rms_norm_mul("embed", w.ffn_norm, eps)
+        gate = self.linear(l, "gate", ffn_in, adapt)
+        up = self.linear(l, "up", ffn_in, adapt)
+        return h.add(self.linear(l, "down", up.swiglu(gate), adapt))
+
+    def head(self, x: Tensor) -> Tensor:
+        """Step 3: logits [seq, vocab] = rms_norm_mul(x, output_norm) · W_outputᵀ."""
+        return x.rms_norm_mul("embed", self.output_norm, self.config.rms_eps).dot(self.output, "embed")
+
+    def forward_logits(self, tokens) -> Tensor:
+        """The plain model (no adapters): logits [seq, vocab] for positions 0 .. len - 1."""
+        tokens = check_tokens("qwen3.Model.forward_logits", tokens, self.config.vocab)
+        table = self.rope_table(0, len(tokens))
+        x = self.embed(tokens)
+        for l in range(self.config.num_layers):
+            x = self.layer(l, x, table)
+        return self.head(x)
+
+
+def check_tokens(op: str, tokens, vocab: int) -> np.ndarray:
+    """Token ids as an int64 array: a non-empty flat sequence of integers in [0, vocab)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidSequenceLength(f"{op}: expected a flat sequence of token ids, got shape "
+                                    f"{arr.shape}")
+    if arr.size == 0:
+        raise InvalidSequenceLength(f"{op}: expected at least one token, got none")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{op}: expected integer token ids, got {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise IndexOutOfBounds(f"{op}: token id {bad} is out of range; expected ids in "
+                               f"[0, {vocab})")
+    return arr.astype(np.int64)
+
+
+class _Loader:
+    """Fetches and checks the named tensors of one file."""
+
+    def __init__(self, ctx, f, cfg: Config, widen: bool):
+        self.ctx, self.f, self.cfg, self.widen = ctx, f, cfg, widen
+
+    def get(self, name: str):
+        t = self.f.tensors.get(name)
+        if t is None:
+            raise UnsupportedModel(f"qwen3.Model.from_gguf: {self.f.path}: missing tensor {name!r}")
+        if not isinstance(t, Tensor):
+            raise UnsupportedModel(f"qwen3.Model.from_gguf: tensor {name!r} has ggml type "
+                                   f"{t.type_name}, which fucina cannot compute with")
+        return t
+
+    def matrix(self, name: str, tags: tuple, shape: tuple) -> Tensor:
+        t = self.get(name)
+        if t.shape != shape:
+            raise ShapeMismatch(f"qwen3.Model.from_gguf: tensor {name!r}: expected shape "
+                                f"{list(shape)} {tags}, got {list(t.shape)}")
+        if t.dtype not in MATRIX_DTYPES:
+            raise UnsupportedModel(f"qwen3.Model.from_gguf: tensor {name!r}: expected one of "
+                                   f"{MATRIX_DTYPES}, got {t.dtype}")
+        if self.widen and t.dtype != "f32":
+            t = t.to("f32")
+        return _retag(t, tags)
+
+    def vector(self, name: str, n: int, tag: str = "embed") -> Tensor:
+        t = self.get(name)
+        if t.shape != (n,):
+            raise ShapeMismatch(f"qwen3.Model.from_gguf: tensor {name!r}: expected shape [{n}], "
+                                f"got {list(t.shape)}")
+        if t.dtype != "f32":
+            if t.dtype not in ("f16", "bf16"):
+                raise UnsupportedModel(f"qwen3.Model.from_gguf: tensor {name!r}: expected an "
+                                       f"f32/f16/bf16 norm weight, got {t.dtype}")
+            t = t.to("f32")
+        return _retag(t, (tag,))
+
+    def layer(self, i: int) -> Layer:
+        c, p = self.cfg, f"blk.{i}."
+        dims = c.dims
+        linear, qkv = {}, None
+        fused = p + "attn_qkv.weight" in self.f.tensors
+        for name, (stem, tin, tout) in LINEARS.items():
+            if fused and name in ("q", "k", "v"):
+                linear[name] = None
+                continue
+            linear[name] = self.matrix(p + stem + ".weight", (tout, tin), (dims[tout], dims[tin]))
+        if fused:
+            qkv = self.matrix(p + "attn_qkv.weight", ("qkv", "embed"),
+                              (c.q_dim + 2 * c.kv_dim, c.hidden))
+        qn = self.vector(p + "attn_q_norm.weight", c.head_dim, "d") if c.qk_norm else None
+        kn = self.vector(p + "attn_k_norm.weight", c.head_dim, "d") if c.qk_norm else None
+        return Layer(linear, qkv, self.vector(p + "attn_norm.weight", c.hidden),
+                     self.vector(p + "ffn_norm.weight", c.hidden), qn, kn)

@@ -1,0 +1,270 @@
+"""LoRA fine-tuning of a frozen Qwen3 model (SPEC T-21): adapters on chosen projections of every
+layer, the training forward and its loss.
+
+    trainer = Trainer(model, Targets(q=True, v=True), fu.lora.LoraConfig(8, 16), seed=42)
+    opt = fu.optim.AdamW(lr=1e-3, weight_decay=0.0)
+    trainer.register_all_params(opt)
+    with ctx.exec_scope():
+        loss = trainer.loss(sample.inputs, sample.labels)   # step = step_counter, then += 1
+        loss.backward()
+    opt.step(); opt.zero_grad()
+
+Targets in their fixed order (t = the index in TARGETS): q, k, v (embed -> q/k/v), o (attn ->
+embed), gate, up (embed -> ffn), down (ffn -> embed). The adapter of layer l, target t is
+initialised from seed at(seed, l·7 + t) and named "layers.<l>.<target>.lora_a/_b" (registered
+and saved layer-major, in target order, A then B). Training step s draws its LoRA dropout seeds
+as at(seed ^ 0x64726F7064726F70, (s·num_layers + l)·7 + t); evaluation passes none.
+checkpoint_layers=True runs each layer as one checkpoint_with_context node (the frozen model,
+RoPE table and seeds as `extra`, x and the layer's A/B as inputs): bitwise the same gradients,
+activations of one layer at a time.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ... import io
+from ...ag.checkpoint import checkpoint_with_context
+from ...ag.engine import is_grad_enabled, no_grad
+from ...ag.tensor import Tensor
+from ...errors import ExecScopeRequired, LabelLengthMismatch
+from ...lora import Adapter, LoraConfig
+from ...rng import MASK64, at
+from ..data import IGNORE_INDEX
+from .model import LINEARS, Model, check_tokens
+
+__all__ = ["Trainer", "Targets", "TARGETS", "IGNORE_INDEX", "DROPOUT_SALT"]
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+DROPOUT_SALT = 0x64726F7064726F70   # "drop" "drop": keeps dropout streams apart from init streams
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Which projections of every layer get an adapter (the defaults: q and v)."""
+
+    q: bool = True
+    k: bool = False
+    v: bool = True
+    o: bool = False
+    gate: bool = False
+    up: bool = False
+    down: bool = False
+
+    @classmethod
+    def of(cls, value) -> "Targets":
+        """A Targets as is, or one from target names, e.g. ("q", "k", "v", "o")."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) or not hasattr(value, "__iter__"):
+            raise TypeError(f"qwen3.Targets: expected a Targets or target names, got {value!r}")
+        names = list(value)
+        for n in names:
+            if n not in TARGETS:
+                raise ValueError(f"qwen3.Targets: unknown target {n!r}; expected names from {TARGETS}")
+        return cls(**{n: n in names for n in TARGETS})
+
+    def names(self) -> tuple:
+        """The enabled targets in their fixed order."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
+
+
+class _Lora:
+    """The adapt(name, x, base) hook of Model.layer for one layer: base + delta of the adapter
+    bound to `name` (with that target's dropout seed), base alone for targets without one."""
+
+    __slots__ = ("adapters", "seeds")
+
+    def __init__(self, adapters: dict, seeds: dict):
+        self.adapters, self.seeds = adapters, seeds
+
+    def __call__(self, name, x, base):
+        ad = self.adapters.get(name)
+        return base if ad is None else ad.apply(x, base, self.seeds.get(name))
+
+
+def _bound(ad: Adapter, a: Tensor, b: Tensor) -> Adapter:
+    """ad's configuration over the given A/B tensors (a checkpoint recompute's fresh leaves)."""
+    c = Adapter(ad.in_tag, ad.out_tag)
+    c.a, c.b, c.scale, c.dropout_p = a, b, ad.scale, ad.dropout_p
+    return c
+
+
+@dataclass(frozen=True)
+class _LayerExtra:
+    """What a checkpointed layer needs besides its trainable inputs (kept by reference)."""
+
+    model: Model
+    layer: int
+    table: object
+    adapters: dict      # target -> the trainer's Adapter (configuration only)
+    seeds: dict         # target -> dropout seed or None
+
+
+def _layer_block(extra: _LayerExtra, x, *ab):
+    names = tuple(extra.adapters)
+    bound = {n: _bound(extra.adapters[n], ab[2 * i], ab[2 * i + 1]) for i, n in enumerate(names)}
+    return extra.model.layer(extra.layer, x, extra.table, _Lora(bound, extra.seeds))
+
+
+def _u64(op: str, what: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{op}: expected an int {what}, got {type(v).__name__} {v!r}")
+    return int(v) & MASK64
+
+
+class Trainer:
+    """LoRA adapters over a frozen Model, with the training forward and loss of SPEC T-21.
+
+    `adapters[l][target]` is the lora.Adapter of layer l (enabled targets only); `step_counter`
+    counts loss calls (the dropout step); `checkpoint_layers` may be flipped between steps."""
+
+    def __init__(self, model: Model, targets, lora_config: LoraConfig, seed: int,
+                 checkpoint_layers: bool = False):
+        op = "qwen3.Trainer"
+        if not isinstance(model, Model):
+            raise TypeError(f"{op}: expected a qwen3.Model, got {type(model).__name__}")
+        if not isinstance(lora_config, LoraConfig):
+            raise TypeError(f"{op}: expected a lora.LoraConfig, got {type(lora_config).__name__}")
+        if not isinstance(checkpoint_layers, bool):
+            raise TypeError(f"{op}: expected checkpoint_layers as a bool, got {checkpoint_layers!r}")
+        self.targets = Targets.of(targets)
+        if not self.targets.names():
+            raise ValueError(f"{op}: expected at least one target, got none of {TARGETS}")
+        self.model, self.lora_config = model, lora_config
+        self.seed = _u64(op, "seed", seed)
+        self.checkpoint_layers = checkpoint_layers
+        self.step_counter = 0
+        c = model.config
+        dims = c.dims
+        self.adapters = []
+        for l in range(c.num_layers):
+            layer = {}
+            for t, name in enumerate(TARGETS):
+                if getattr(self.targets, name):
+                    _, tin, tout = LINEARS[name]
+                    layer[name] = Adapter(tin, tout).init(model.ctx, dims[tin], dims[tout],
+                                                          lora_config, at(self.seed, l * 7 + t))
+            self.adapters.append(layer)
+
+    def __repr__(self):
+        return (f"qwen3.Trainer({self.model!r}, targets={self.targets.names()}, "
+                f"rank={self.lora_config.rank}, alpha={self.lora_config.alpha}, "
+                f"step_counter={self.step_counter})")
+
+    # ---- the forward ----
+    def dropout_seeds(self, step: int | None, layer: int) -> dict:
+        """target -> the LoRA dropout seed of (step, layer); all None when step is None."""
+        if step is None:
+            return {n: None for n in self.adapters[layer]}
+        salt = (self.seed ^ DROPOUT_SALT) & MASK64
+        L = self.model.config.num_layers
+        return {n: at(salt, (step * L + layer) * 7 + TARGETS.index(n)) for n in self.adapters[layer]}
+
+    def forward_logits(self, tokens, step: int | None) -> Tensor:
+        """Logits [seq, vocab] ("seq", "vocab") with every adapter applied; step None = eval (no
+        dropout). Under gradients it needs an open exec scope (ExecScopeRequired)."""
+        op = "qwen3.Trainer.forward_logits"
+        self._need_scope(op)
+        tokens = check_tokens(op, tokens, self.model.config.vocab)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
+                                 or step < 0):
+            raise TypeError(f"{op}: expected step as an int >= 0 or None (eval), got {step!r}")
+        return self._logits(tokens, step)
+
+    def _need_scope(self, op: str) -> None:
+        if is_grad_enabled() and not self.model.ctx.scopes:
+            raise ExecScopeRequired(f"{op}: the trainer's forward records a graph over the "
+                                    f"adapters; expected `with ctx.exec_scope():` around it")
+
+    def _logits(self, tokens: np.ndarray, step, last_only: bool = False) -> Tensor:
+        m = self.model
+        table = m.rope_table(0, len(tokens))
+        x = m.embed(tokens)
+        # a checkpoint node is keyed on the adapters requiring grad, not on grad mode: skip it
+        # when nothing is recorded
+        ckpt = self.checkpoint_layers and is_grad_enabled()
+        for l, layer in enumerate(self.adapters):
+            seeds = self.dropout_seeds(step, l)
+            if ckpt:
+                ab = [t for ad in layer.values() for t in (ad.a, ad.b)]
+                x = checkpoint_with_context(_layer_block, _LayerExtra(m, l, table, layer, seeds),
+                                            x, *ab)
+            else:
+                x = m.layer(l, x, table, _Lora(layer, seeds))
+        if last_only:
+            x = x.narrow("seq", len(tokens) - 1, 1)
+        return m.head(x)
+
+    # ---- losses ----
+    def loss(self, tokens, labels) -> Tensor:
+        """loss_ext(tokens, labels, reduction="mean", loss_scale=1)."""
+        return self.loss_ext(tokens, labels)
+
+    def loss_ext(self, tokens, labels, reduction: str = "mean", loss_scale: float = 1.0) -> Tensor:
+        """Cross-entropy of forward_logits(tokens, step_counter) against labels (one per token;
+        IGNORE_INDEX = not supervised) with `reduction` ("mean" over supervised positions: 0
+        when there are none), times loss_scale when it is not 1. Needs an open exec scope
+        (ExecScopeRequired); the result is a scope borrow. step_counter advances by one."""
+        op = "qwen3.Trainer.loss_ext"
+        if not self.model.ctx.scopes:
+            raise ExecScopeRequired(f"{op}: expected an open exec scope (`with ctx.exec_scope():`); "
+                                    f"the loss and its graph are scope borrows")
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
+            raise TypeError(f"{op}: expected a real loss_scale, got {loss_scale!r}")
+        n_tokens = len(tokens)
+        n_labels = labels.numel if isinstance(labels, Tensor) else len(labels)
+        if n_labels != n_tokens:
+            raise LabelLengthMismatch(f"{op}: expected one label per token ({n_tokens}), got "
+                                      f"{n_labels} labels")
+        tokens = check_tokens(op, tokens, self.model.config.vocab)
+        step = self.step_counter
+        logits = self._logits(tokens, step)
+        ce = logits.cross_entropy_ext("vocab", labels, ignore_index=IGNORE_INDEX,
+                                      reduction=reduction)
+        if loss_scale != 1:
+            ce = ce.scale(loss_scale)
+        self.step_counter = step + 1   # counted once the call succeeded
+        return ce
+
+    def eval_last_logits(self, tokens) -> Tensor:
+        """The logits of the last position, [1, vocab] ("seq", "vocab"), caller-owned: no
+        dropout, no graph, step_counter unchanged (for greedy generation)."""
+        op = "qwen3.Trainer.eval_last_logits"
+        tokens = check_tokens(op, tokens, self.model.config.vocab)
+        ctx = self.model.ctx
+        with no_grad(), ctx.exec_scope():
+            logits = self._logits(tokens, None, last_only=True)
+            return Tensor(logits._live(op), logits.tags)   # outlives the scope: caller-owned
+
+    # ---- parameters and files ----
+    def named_adapters(self):
+        """(prefix, adapter) layer-major in target order: ("layers.0.q", ...), ..."""
+        return [(f"layers.{l}.{n}", ad) for l, layer in enumerate(self.adapters)
+                for n, ad in layer.items()]
+
+    def register_all_params(self, opt) -> None:
+        """Every A then B into `opt` (any optimizer, OptimizerSet group or ES trainer) under
+        its registry name."""
+        for prefix, ad in self.named_adapters():
+            ad.register_params(opt, prefix)
+
+    def named_tensors(self) -> list:
+        """[NamedTensor] of every A/B in registry order, for fu.io.save_state_dict."""
+        return [e for prefix, ad in self.named_adapters() for e in ad.named_tensors(prefix)]
+
+    def save_adapters(self, writer) -> None:
+        """Every A/B as one safetensors state dict (a binary file object, or a path written
+        atomically)."""
+        io.save_state_dict(writer, self.named_tensors())
+
+    def load_adapters(self, reader) -> None:
+        """Strict load of save_adapters' file: every name present, nothing extra, same shapes."""
+        self.load_adapters_with_options(reader)
+
+    def load_adapters_with_options(self, reader, *, strict: bool = True, aliases=()) -> None:
+        """fu.io.load_state_dict into the adapters with its strict/aliases options."""
+        entries = [e for prefix, ad in self.named_adapters() for e in ad.named_tensors_mut(prefix)]
+        io.load_state_dict(reader, entries, strict=strict, aliases=aliases)
