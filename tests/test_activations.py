@@ -236,6 +236,25 @@ def test_denormal_results_are_accurate(ctx1):
         assert (np.abs(got - want) / spacing).max() <= BOUND[op], op
 
 
+def test_sigmoid_silu_scaled_tail_and_saturation(ctx1):
+    """sigmoid and silu carry e^-|x| times 2^31 with |x| clamped at 109.6 (see
+    codegen/activations.py): every float32 in [-112, -80] (normal, denormal and underflowing
+    results, the clamp) is within the bound; above 17.4 sigmoid is 1 and silu is x itself, up
+    to FLT_MAX (silu's numerator clamp at 2^90 included); below -109.2 both are zero."""
+    x = -np.arange(f32(80).view(np.uint32), f32(112).view(np.uint32), dtype=np.uint32).view(f32)
+    for op in ("sigmoid", "silu"):
+        _check_ulp(op, x, ctx1.tensor(x, ("n",)).unary(op).numpy(), BOUND[op])
+    big = np.concatenate([np.geomspace(17.4, 3e38, 5000).astype(f32), np.array(
+        [2.0 ** 90, np.nextafter(f32(2.0 ** 90), f32(0)), np.nextafter(f32(2.0 ** 90), f32(np.inf)),
+         2.0 ** 97, 2.0 ** 98, 3.4028235e38], f32)])
+    t = ctx1.tensor(big, ("n",))
+    assert_bitwise(t.silu().numpy(), big)
+    assert (t.sigmoid().numpy() == 1).all()
+    tiny = np.array([-109.2, -109.6, -110.0, -200.0, -1e10, -3.4028235e38], f32)
+    t = ctx1.tensor(tiny, ("n",))
+    assert (t.silu().numpy() == 0).all() and (t.sigmoid().numpy() == 0).all()
+
+
 def test_leaky_relu_and_clamp_bitwise(ctx1):
     a = np.concatenate([(RNG.standard_normal(3000) * 3).astype(f32), EDGE,
                         np.array([-1, 1, -0.5, 0.5], f32)])
@@ -536,7 +555,7 @@ def test_strided_views(ctx1):
     a = ctx1.variable(a_np, ("i", "j"))
     v = a.narrow("j", 1, 5).permute(("j", "i"))
     want = np.ascontiguousarray(a_np[:, 1:6].T)
-    for op in ("gelu", "tanh", "relu", "softplus"):
+    for op in ("gelu", "tanh", "relu", "softplus", "sigmoid", "silu"):  # scalar loop == vector lane
         assert_bitwise(v.unary(op).numpy(), ctx1.tensor(want, ("j", "i")).unary(op).numpy())
     a.zero_grad()
     v.silu().sum_all().backward()

@@ -17,9 +17,9 @@ form would cancel or underflow early, an algebraically equal form is used:
 
   gelu (tanh)   0.5·x·(1 + tanh u) = x·sigmoid(2u)      (no 1 + tanh u cancellation for x < 0)
   softplus      ln(1 + e^±x) = max(x, 0) + log1p(e^-|x|) (the literal form is 0 for x < -17)
-  m·sigmoid(v)  one compensated division with e^-|v| carried scaled (_mul_sigmoid for silu
-                and sigmoid, _mul_sigmoid_precise for gelu, quick_gelu and the gated pairs):
-                accurate where sigmoid(v) < 2^-126 (x < -87), down to denormal results
+  m·sigmoid(v)  one compensated division with e^-|v| carried scaled (_sigmoid and _silu,
+                the short form; _mul_sigmoid_precise for gelu, quick_gelu and the gated
+                pairs): accurate where sigmoid(v) < 2^-126 (x < -87), down to denormal results
   gated         up·act(gate) is folded into the activation's last rounding
 
 gelu_erf keeps SPEC's literal 0.5·x·(1 + erf(x/√2)) (ggml's and torch's form too): for
@@ -65,16 +65,66 @@ def _select_gt0(b, x, a, other):
 # ---------------------------------------------------------------------------------------------
 # forward formulas (also the building blocks of the gated pairs and the backward rules)
 
-def _sigmoid(b, x):
-    return _mul_sigmoid(b, _c(x, 1.0), x)
-
-
 def _tanh(b, x):
     return _v().tanh(b, x)
 
 
 def _exp(b, x):
     return _v().exp(b, x)
+
+
+_S = 31          # sigmoid/silu carry e^-|x| times 2^31: normal down to e^-109 (2^-157)
+_CLAMP = 109.6   # |x| clamp: there n = round(-|x| log2e) = -158 and 2^(n + S) is +0
+
+
+def _exp_scaled(b, x):
+    """(p, s) with e^-|x| = s (1 + p) 2^-S: s = 2^(n + S) exactly for |x| < 109.17 (n >= -157)
+    and +0 beyond, where e^-|x| and x e^-|x| are below 2^-150 (every result underflows);
+    p = e^r - 1 by vmath's reduction and polynomial (Estrin order: silu and sigmoid are bound
+    by their latency). |x| is clamped, so infinities reduce like any large value; NaN passes."""
+    vm_ = _v()
+    v = vm_.fmax(b, _c(x, -_CLAMP), b.fneg(vm_.fabs(b, x)))
+    n, r = vm_._exp_reduce(b, v)
+    return vm_._expm1_poly_estrin(b, r), vm_._pow2i(b, b.add(n, vm_._ci(x, _S)))
+
+
+def _quotient(b, num, zz):
+    """num/(2^S + zz) with one final rounding, 0 <= zz <= 2^S.
+
+    q = num/d, d = fl(2^S + zz); t = num - q·(2^S + zz) (_residual) carries the rounding of
+    both d and q, and y = q + t/d with 1/d ~ (1.457 - d·2^-S/2)·2^-S (4.3 % of a correction
+    below 1.5 ulp)."""
+    vm_ = _v()
+    big = _c(num, 2.0 ** _S)
+    d = b.fadd(big, zz)
+    q = b.fdiv(num, d)
+    t = _residual(b, q, big, zz, num)
+    inv = vm_.fma(b, d, _c(num, -0.5 * 2.0 ** (-2 * _S)), _c(num, 1.457 * 2.0 ** -_S))
+    return vm_.fma(b, t, inv, q)
+
+
+def _sigmoid(b, x):
+    """1/(1 + z) for x >= 0, z/(1 + z) for x < 0, z = e^-|x|, both times 2^S: z·2^S stays
+    normal and a denormal result (x < -87.3) is rounded once, by the division."""
+    p, s = _exp_scaled(b, x)
+    zz = _v().fma(b, s, p, s)                                     # z·2^S, one rounding
+    num = b.select(b.fcmp_ordered("<", x, _c(x, 0.0)), zz, _c(x, 2.0 ** _S))
+    return _quotient(b, num, zz)
+
+
+def _silu(b, x):
+    """x/(1 + z) for x >= 0, x·z/(1 + z) for x < 0, z = e^-|x|, both times 2^S (x·z·2^S in
+    one fma from the unrounded 1 + p), so x·z stays normal and a denormal result is rounded
+    once, by the division. x·2^S overflows beyond 2^97, where silu(x) = x: the numerator
+    takes min(x, 2^90) (no inf - inf in the remainder) and a select returns x itself."""
+    vm_ = _v()
+    p, s = _exp_scaled(b, x)
+    xs = b.fmul(x, s)
+    huge = _c(x, 2.0 ** 90)
+    num = b.select(b.fcmp_ordered("<", x, _c(x, 0.0)), vm_.fma(b, xs, p, xs),
+                   b.fmul(vm_.fmin(b, huge, x), _c(x, 2.0 ** _S)))
+    y = _quotient(b, num, vm_.fma(b, s, p, s))
+    return b.select(b.fcmp_ordered(">", x, huge), x, y)
 
 
 _SCALE = 48     # lanes with v < -64 carry e^-|v| times 2^48, so it stays normal down to |v| = 120
@@ -98,48 +148,21 @@ def _exp_neg_abs(b, v):
     return neg, big, p, s, vm_.fma(b, s, p, s)
 
 
-def _mul_sigmoid(b, m, v):
-    """m·sigmoid(v) for |m| at most about |v| (silu; sigmoid is m = 1), the fast form: within
-    1.8 ulp (silu 1.79, sigmoid 1.50 measured), accurate down to denormal results, one division.
-
-      v >= 0: m / (1 + z)        v < 0: m·z / (1 + z)        z = e^-|v|
-    m·z is one fma from the unrounded 1 + p. For v < -64, z is carried times 2^48 and the
-    denominator is 2^48 + z·2^48, so a tiny z never rounds to a denormal first and a denormal
-    result is rounded once, by the division. The division is compensated (as vmath.sigmoid):
-    the denominator's rounding and the remainder are folded back with a linear 1/d estimate,
-    leaving e^-|v|'s error, the rounding of m·z and the last rounding."""
+def _residual(b, q, base, zz, num):
+    """num − q·(base + zz) with one rounding, for q = num/fl(base + zz), base a power of two
+    and 0 <= zz <= base: num − q·base is exact (Sterbenz: q·base is within a factor 2 of num)
+    and q·zz is folded in by one fma, so fl(base + zz) is never needed exactly (no Fast2Sum).
+    NaN when num = ±inf (inf − inf)."""
     vm_ = _v()
-    neg, big, p, s, zz = _exp_neg_abs(b, v)
-    base = b.select(big, _c(v, 2.0 ** _SCALE), _c(v, 1.0))
-    d = b.fadd(base, zz)
-    d_lo = b.fsub(zz, b.fsub(d, base))                            # base + zz = d + d_lo exactly
-    ms = b.fmul(m, s)
-    num = b.select(neg, vm_.fma(b, ms, p, ms), m)                 # m·z or m
-    q = b.fdiv(num, d)
-    t = _residual(b, q, d, d_lo, num)
-    inv = vm_.fma(b, d, b.select(big, _c(v, -0.5 * 2.0 ** (-2 * _SCALE)), _c(v, -0.5)),
-                  b.select(big, _c(v, 1.457 * 2.0 ** -_SCALE), _c(v, 1.457)))   # ~1/d, 4.3 %
-    return vm_.fma(b, t, inv, q)
-
-
-def _residual(b, q, d, d_lo, num, nan_to_zero=False):
-    """num − q·(d + d_lo), exactly up to one rounding. A NaN from inf − inf (m = ±inf) must
-    not reach q (±inf): it becomes -FLT_MAX (one vmaxps; the caller adds t/d to q, which stays
-    ±inf), or 0 where the caller multiplies t further (nan_to_zero)."""
-    vm_ = _v()
-    rem = vm_.fma(b, b.fneg(q), d, num)                           # num − q·d, exact
-    t = vm_.fma(b, b.fneg(q), d_lo, rem)
-    if nan_to_zero:
-        return b.select(b.fcmp_ordered("ord", t, t), t, _c(q, 0.0))
-    return vm_.fmax(b, t, _c(q, -_FLT_MAX))
+    return vm_.fma(b, b.fneg(q), zz, vm_.fma(b, b.fneg(q), base, num))
 
 
 def _mul_sigmoid_precise(b, m, v, outer=None):
     """(outer·)m·sigmoid(v), the precise form (gelu 1.84, quick_gelu 1.74, the gated pairs
-    1.81–1.99 ulp measured; one more multiply than _mul_sigmoid, and it takes the error of m·z
-    out, which matters once the tanh-gelu's 2u or the outer product is folded in). The
-    division takes m·2^k exactly and the
-    (1 + p) factor is applied after it: m·z/(1 + z) = q(1 + p) + c(1 + p) ≈ q + (q·p + c),
+    1.81–1.99 ulp measured; more operations than _silu, and it takes the error of m·z out,
+    which matters once the tanh-gelu's 2u or the outer product is folded in). The division
+    takes m·2^k exactly and the (1 + p) factor is applied after it:
+    m·z/(1 + z) = q(1 + p) + c(1 + p) ≈ q + (q·p + c),
     c the compensated quotient's correction, so m·z is never rounded on its own. With `outer`
     (the up operand of a gated pair) the product is folded in before the one final rounding:
     outer·q + outer·(q·p + c). Lanes with v < -64 are scaled by 2^48 throughout (no overflow:
@@ -148,10 +171,13 @@ def _mul_sigmoid_precise(b, m, v, outer=None):
     one = _c(v, 1.0)
     neg, big, p, s, zz = _exp_neg_abs(b, v)
     d = b.fadd(one, zz)
-    d_lo = b.fsub(zz, b.fsub(d, one))
     num = b.select(neg, b.fmul(m, s), m)                          # m·2^k is exact
     q = b.fdiv(num, d)
-    t = _residual(b, q, d, d_lo, num, nan_to_zero=outer is not None)
+    t = _residual(b, q, one, zz, num)
+    # m = ±inf makes t NaN, which must not reach q (±inf): -FLT_MAX (one vmaxps; t/d is
+    # added to q, which stays ±inf), or 0 where t is multiplied further (outer)
+    t = b.select(b.fcmp_ordered("ord", t, t), t, _c(q, 0.0)) if outer is not None \
+        else vm_.fmax(b, t, _c(q, -_FLT_MAX))
     c = b.fmul(t, vm_.fma(b, d, _c(v, -0.5), _c(v, 1.457)))      # t/d, 1/d ~ 1.457 − d/2
     w = b.select(neg, vm_.fma(b, q, p, c), c)                     # (not q·0: q may be ±inf)
     if outer is None:
@@ -160,10 +186,6 @@ def _mul_sigmoid_precise(b, m, v, outer=None):
         oc = vm_.fmin(b, _c(v, _FLT_MAX), vm_.fmax(b, _c(v, -_FLT_MAX), outer))
         y = vm_.fma(b, outer, q, b.fmul(oc, w))
     return b.fmul(y, b.select(big, _c(v, 2.0 ** -_SCALE), one))
-
-
-def _silu(b, x):
-    return _mul_sigmoid(b, x, x)
 
 
 GELU_C = 0.7978845608028654   # sqrt(2/pi)
@@ -347,10 +369,9 @@ def _swiglu_clamp10(b, up, g):
 
 
 def _silu_deriv(b, x):
-    """s·(1 + x·(1 − s))"""
+    """s·(1 + x·(1 − s)) as s + x·s·(1 − s), one fma (1 − s is exact where s >= 1/2)."""
     s = _sigmoid(b, x)
-    one = _c(x, 1.0)
-    return b.fmul(s, b.fadd(one, b.fmul(x, b.fsub(one, s))))
+    return _v().fma(b, b.fmul(x, s), b.fsub(_c(x, 1.0), s), s)
 
 
 def _sigmoid_deriv(b, x):
