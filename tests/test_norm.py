@@ -364,3 +364,233 @@ def test_group_norm_gradcheck_and_errors(ctx1):
         ctx1.tensor(rand((2, 3, 4)), ("a", "t", "c")).group_norm("c", 2, 1e-5)
     with pytest.raises(fu.TagError):
         x.group_norm("c", 2, 1e-5, weight=ctx1.tensor(rand((4,)), ("d",)))
+
+
+# ---------------------------------------------------------------------------------------------
+# group_norm: kernels that read [time, channel] in place (either axis contiguous)
+
+def group_ref64(x, G, eps, w=None, b=None):
+    """float64 reference on x [T, C]: per group of C/G consecutive channels, the mean and the
+    biased variance over time × C/G, eps inside the sqrt, then · w + b."""
+    T, C = x.shape
+    xg = x.astype(np.float64).reshape(T, G, C // G)
+    m = xg.mean(axis=(0, 2), keepdims=True)
+    v = ((xg - m) ** 2).mean(axis=(0, 2), keepdims=True)
+    y = ((xg - m) / np.sqrt(v + float(np.float32(eps)))).reshape(T, C)
+    return y * (1.0 if w is None else w) + (0.0 if b is None else b)
+
+
+def torch_group_norm(G, eps, channel_first):
+    """F.group_norm on the channel-first [1, C, T] form of a [T, C] (or [C, T]) tensor."""
+    def fn(a, w=None, b=None):
+        xc = a if channel_first else a.T
+        y = F.group_norm(xc[None], G, w, b, eps)[0]
+        return y if channel_first else y.T
+    return fn
+
+
+# (T, C, G): groups of one channel; C not a multiple of the vector width (and below it); time 1;
+# many time chunks (T = 20000 at C = 8: 5 chunks of 4096 rows); a group that is one element
+GN_SHAPES = [(13, 12, 12), (9, 37, 1), (1, 8, 4), (1, 40, 5), (20000, 8, 2), (700, 100, 20),
+             (3, 1, 1), (64, 48, 3)]
+
+
+@pytest.mark.parametrize("T,C,G", GN_SHAPES)
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_against_float64(ctx, T, C, G, channel_first):
+    x = rand((T, C), 2.0, 0.5)
+    w, b = rand(C, 0.5, 1.0), rand(C)
+    a, tags = (x.T.copy(), ("c", "t")) if channel_first else (x, ("t", "c"))
+    xt = ctx.tensor(a, tags)
+    for kw, want in (({}, group_ref64(x, G, 1e-5)),
+                     ({"weight": ctx.tensor(w, ("c",)), "bias": ctx.tensor(b, ("c",))},
+                      group_ref64(x, G, 1e-5, w, b))):
+        y = xt.group_norm("c", G, 1e-5, **kw).numpy()
+        np.testing.assert_allclose(y.T if channel_first else y, want, rtol=2e-6, atol=2e-6)
+
+
+def test_group_norm_large_offset_and_constant_groups(ctx):
+    """f64 statistics: an offset of 3000 over a spread of 1 normalizes to float32 accuracy
+    (a float32 mean alone would be off by ~1e-4); a constant group gives exactly the bias."""
+    x = (RNG.standard_normal((5000, 6)) + 3000.0).astype(np.float32)
+    x[:, 4:] = 7.25
+    b = rand(6)
+    y = ctx.tensor(x, ("t", "c")).group_norm("c", 3, 1e-5, bias=ctx.tensor(b, ("c",))).numpy()
+    np.testing.assert_allclose(y[:, :4], group_ref64(x, 3, 1e-5, None, b)[:, :4], rtol=0, atol=2e-6)
+    assert (y[:, 4:] == b[4:]).all()
+
+
+@pytest.mark.parametrize("T,C,G", [(13, 12, 12), (9, 37, 1), (1, 40, 5), (700, 100, 20)])
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_gradients_against_torch(ctx, T, C, G, channel_first):
+    x = rand((T, C), 2.0, 0.5)
+    w, b = rand(C, 0.5, 1.0), rand(C)
+    a, tags = (x.T.copy(), ("c", "t")) if channel_first else (x, ("t", "c"))
+    run_both(ctx, [a, w, b], [tags, ("c",), ("c",)],
+             lambda v, wv, bv: v.group_norm("c", G, 1e-5, weight=wv, bias=bv),
+             torch_group_norm(G, 1e-5, channel_first), atol=2e-5, rtol=2e-5)
+
+
+def group_grads_ref64(x, g, G, eps, w):
+    """float64 (dx, dw, db) of group_norm on x [T, C] for the upstream gradient g."""
+    T, C = x.shape
+    xg = x.astype(np.float64).reshape(T, G, C // G)
+    m = xg.mean(axis=(0, 2), keepdims=True)
+    inv = 1.0 / np.sqrt(((xg - m) ** 2).mean(axis=(0, 2), keepdims=True) + float(np.float32(eps)))
+    xhat = (xg - m) * inv
+    gw = (g.astype(np.float64) * w).reshape(T, G, C // G)
+    dx = inv * (gw - gw.mean(axis=(0, 2), keepdims=True)
+                - xhat * (gw * xhat).mean(axis=(0, 2), keepdims=True))
+    return dx.reshape(T, C), (g * xhat.reshape(T, C)).sum(0), g.astype(np.float64).sum(0)
+
+
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_gradients_long_time_against_float64(ctx, channel_first):
+    """20000 rows (5 time chunks): the weight and bias gradients sum 20000 terms; against a
+    float64 reference (torch's float32 sums are ~10x further off here)."""
+    T, C, G = 20000, 8, 2
+    x, g, w, b = rand((T, C), 2.0, 0.5), rand((T, C)), rand(C, 0.5, 1.0), rand(C)
+    tags = ("c", "t") if channel_first else ("t", "c")
+    tr = (lambda a: a.T.copy()) if channel_first else (lambda a: a)
+    xv, wv, bv = ctx.variable(tr(x), tags), ctx.variable(w, ("c",)), ctx.variable(b, ("c",))
+    xv.group_norm("c", G, 1e-5, weight=wv, bias=bv).backward(grad=ctx.tensor(tr(g), tags))
+    dx, dw, db = group_grads_ref64(x, g, G, 1e-5, w)
+    np.testing.assert_allclose(tr(xv.grad().numpy()) if channel_first else xv.grad().numpy(), dx,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(wv.grad().numpy(), dw, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(bv.grad().numpy(), db, rtol=1e-6, atol=1e-4)
+
+
+def test_group_norm_strided_inputs(ctx):
+    """A transposed view runs in place on its memory order, a narrowed view is copied first;
+    values and gradients as torch's on the same data."""
+    base = rand((24, 40), 1.5, 0.2)                        # memory [C, T] tagged (c, t)
+    x = ctx.variable(base, ("c", "t"))
+    y = x.permute(("t", "c")).group_norm("c", 6, 1e-5)
+    t = torch.tensor(base, requires_grad=True)
+    ty = F.group_norm(t[None], 6, None, None, 1e-5)[0].T
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=2e-5, atol=2e-5)
+    g = rand((40, 24))
+    y.backward(grad=ctx.tensor(g, ("t", "c")))
+    ty.backward(torch.from_numpy(g))
+    np.testing.assert_allclose(x.grad().numpy(), t.grad.numpy(), rtol=2e-5, atol=2e-5)
+    wide = rand((30, 50), 1.0, 0.3)                        # [T, C]; channels 5..35 taken
+    z = ctx.tensor(wide, ("t", "c")).narrow("c", 5, 30).group_norm("c", 10, 1e-5).numpy()
+    np.testing.assert_allclose(z, group_ref64(wide[:, 5:35], 10, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_group_norm_parameter_gradients_only(ctx):
+    """needs_grad pruning: x constant, weight and bias variables (no dx pass)."""
+    x, w, b, g = rand((300, 16), 1.0, 0.5), rand(16), rand(16), rand((300, 16))
+    wv, bv = ctx.variable(w, ("c",)), ctx.variable(b, ("c",))
+    ctx.tensor(x, ("t", "c")).group_norm("c", 4, 1e-5, weight=wv, bias=bv).backward(
+        grad=ctx.tensor(g, ("t", "c")))
+    tw, tb = torch.tensor(w, requires_grad=True), torch.tensor(b, requires_grad=True)
+    torch_group_norm(4, 1e-5, False)(torch.from_numpy(x), tw, tb).backward(torch.from_numpy(g))
+    np.testing.assert_allclose(wv.grad().numpy(), tw.grad.numpy(), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(bv.grad().numpy(), tb.grad.numpy(), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_gradcheck_affine(ctx1, channel_first):
+    tags = ("c", "t") if channel_first else ("t", "c")
+    x = ctx1.variable(rand((6, 5) if channel_first else (5, 6), 1.0, 0.3), tags)
+    w, b = ctx1.variable(rand(6, 0.5, 1.0), ("c",)), ctx1.variable(rand(6), ("c",))
+    wy = ctx1.tensor(rand(x.shape), tags)
+    loss = lambda a, wv, bv: (a.group_norm("c", 3, 1e-5, weight=wv, bias=bv) * wy).sum_all()  # noqa: E731
+    res = fu.gradcheck(loss, [x, w, b], eps=1e-2, abs_tol=2e-3, rel_tol=2e-2)
+    assert res.checked == 30 + 6 + 6
+
+
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_thread_invariance(ctx1, ctx2, channel_first):
+    """8192 rows of 24 channels: 7 time chunks, split over the team at 2 threads and run by the
+    fused kernels at 1; every value and gradient bitwise equal."""
+    T, C = 8192, 24
+    x, w, b, g = rand((T, C), 2.0, 1.0), rand(C), rand(C), rand((T, C))
+    tags = ("c", "t") if channel_first else ("t", "c")
+    if channel_first:
+        x, g = x.T.copy(), g.T.copy()
+    outs = []
+    for c in (ctx1, ctx2):
+        xv, wv, bv = c.variable(x, tags), c.variable(w, ("c",)), c.variable(b, ("c",))
+        y = xv.group_norm("c", 6, 1e-5, weight=wv, bias=bv)
+        y.backward(grad=c.tensor(g, tags))
+        wc = c.variable(w, ("c",))
+        c.tensor(x, tags).group_norm("c", 6, 1e-5, weight=wc).backward(grad=c.tensor(g, tags))
+        outs.append([y.numpy(), xv.grad().numpy(), wv.grad().numpy(), bv.grad().numpy(),
+                     wc.grad().numpy()])
+    for u, v in zip(*outs):
+        assert_bitwise(u, v)
+
+
+def test_group_norm_errors(ctx):
+    x = ctx.tensor(rand((6, 4)), ("t", "c"))
+    for groups in (0, -2, 2.0, True, "2"):
+        with pytest.raises(fu.InvalidShape, match="groups"):
+            x.group_norm("c", groups, 1e-5)
+    with pytest.raises(fu.TagError):
+        x.group_norm("d", 2, 1e-5)
+    with pytest.raises(fu.ShapeMismatch, match="weight of length 4"):
+        x.group_norm("c", 2, 1e-5, weight=ctx.tensor(rand(3), ("c",)))
+    with pytest.raises(fu.TagError, match="bias"):
+        x.group_norm("c", 2, 1e-5, bias=ctx.tensor(rand((1, 4)), ("a", "c")))
+    with pytest.raises(fu.DTypeError, match="bias"):
+        x.group_norm("c", 2, 1e-5, bias=ctx.zeros((4,), ("c",), dtype="f16"))
+    with pytest.raises(fu.DTypeError):
+        ctx.zeros((6, 4), ("t", "c"), dtype="bf16").group_norm("c", 2, 1e-5)
+    with pytest.raises(TypeError):
+        x.group_norm("c", 2, "1e-5")
+    with pytest.raises(fu.ContextMismatch):
+        with fu.ExecContext(threads=1) as other:
+            x.group_norm("c", 2, 1e-5, weight=other.ones((4,), ("c",)))
+
+
+# ---------------------------------------------------------------------------------------------
+# l2_normalize: the rms_norm row kernel with the sum of squares undivided
+
+def l2_ref(t, eps):
+    return t * torch.rsqrt((t * t).sum(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("K", [1, 7, 16, 100, 1000])
+def test_l2_normalize_against_torch(ctx, K):
+    x = rand((5, K), 2.0, 0.3)
+    with ctx.exec_scope():
+        run_both(ctx, [x], [("r", "d")], lambda a: a.l2_normalize("d", 1e-6),
+                 lambda t: l2_ref(t, 1e-6))
+        a = rand(SHAPE)                                    # a middle axis: rows laid out first
+        run_both(ctx, [a], [TAGS], lambda v: v.l2_normalize("s", 1e-3),
+                 moved(lambda t: l2_ref(t, 1e-3), 1))
+
+
+def test_l2_normalize_eps_on_the_squared_norm(ctx):
+    """SPEC §7.1 item 7: x·rsqrt(Σx² + eps): [3, 4] -> [0.6, 0.8] at eps 0; a zero row stays 0
+    with gradient g·rsqrt(eps); eps 1e-2 at [0.1, 0] gives 0.1/sqrt(0.02)."""
+    y = ctx.tensor([[3.0, 4.0]], ("r", "d")).l2_normalize("d", 0.0).numpy()
+    np.testing.assert_array_equal(y, np.float32([[0.6, 0.8]]))
+    y = ctx.tensor([[0.1, 0.0]], ("r", "d")).l2_normalize("d", 1e-2).numpy()
+    assert y[0, 0] == pytest.approx(0.1 / np.sqrt(0.02), rel=1e-6) and y[0, 1] == 0
+    x = ctx.variable(np.zeros((1, 3), np.float32), ("r", "d"))
+    with ctx.exec_scope():
+        y = x.l2_normalize("d", 1e-4)
+        y.backward(grad=ctx.tensor([[1.0, -2.0, 0.5]], ("r", "d")))
+        assert not y.numpy().any()
+        np.testing.assert_allclose(x.grad().numpy(), [[100.0, -200.0, 50.0]], rtol=1e-6)
+
+
+def test_l2_normalize_gradcheck_and_threads(ctx1, ctx2):
+    x = ctx1.variable(rand((3, 5), 1.0, 0.5), ("r", "d"))
+    wy = ctx1.tensor(rand((3, 5)), ("r", "d"))
+    with ctx1.exec_scope():
+        fu.gradcheck(lambda a: (a.l2_normalize("d", 1e-3) * wy).sum_all(), [x])
+    a, g = rand((300, 700), 2.0, 1.0), rand((300, 700))
+    outs = []
+    for c in (ctx1, ctx2):
+        v = c.variable(a, ("r", "d"))
+        with c.exec_scope():
+            y = v.l2_normalize("d", 1e-6)
+            y.backward(grad=c.tensor(g, ("r", "d")))
+            outs.append((y.numpy(), v.grad().numpy()))
+    for u, w in zip(*outs):
+        assert_bitwise(u, w)

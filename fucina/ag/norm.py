@@ -1,10 +1,12 @@
 """Normalization with its backward rules (SPEC §3.10): layer_norm, rms_norm, rms_norm_mul,
-rms_norm_mul_add and standardize_axis, differentiable in every tensor operand.
+rms_norm_mul_add, standardize_axis, l2_normalize, group_norm and snake, differentiable in every
+tensor operand.
 
 One fused row kernel per direction: the forward saves per-row statistics (mean, 1/denominator,
 std for eps outside the sqrt), the backward is one pass per row plus the weight/bias sums over
 rows (per-chunk partials over a fixed row grid, folded in chunk order). Rows are laid out as in
-ag/softmax.py: the normalized axis last and contiguous.
+ag/softmax.py: the normalized axis last and contiguous. group_norm has its own kernels that
+read [time, channel] in place (statistics, then one normalize + affine pass; backward likewise).
 """
 from __future__ import annotations
 
@@ -86,10 +88,11 @@ def _grads(saved, needs, g):
             dw if needs[1] else None, db if needs[2] else None, gres)
 
 
-def group_norm(x, channel_tag, groups, eps):
-    """The normalization half of group_norm: [time, channel] (either axis order), channels
-    split into `groups` consecutive groups, each standardized over time × C/groups with f64
-    sums (mean, biased variance, eps inside the sqrt). Rows of the kernel = groups."""
+def group_norm(x, channel_tag, groups, eps, weight=None, bias=None):
+    """group_norm over [time, channel] in either axis order: channels split into `groups`
+    consecutive groups, each standardized over time × C/groups (f64 statistics, biased
+    variance, eps inside the sqrt), then · weight[c] + bias[c] (each optional), in one pass
+    over x read in place (exec/norm.py, codegen/norm.py GroupNormKey)."""
     op = "group_norm"
     r = x._live(op)
     ctx = r.ctx
@@ -97,39 +100,40 @@ def group_norm(x, channel_tag, groups, eps):
         raise InvalidShape(f"{op}: expected a rank-2 [time, channel] tensor, got shape {r.shape}")
     cax = axes.axis_of(x.tags, channel_tag, op)
     _f32(op, "tensor", r)
-    if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 1:
+    integral = type(groups) is int or (not isinstance(groups, bool)
+                                       and isinstance(groups, numbers.Integral))
+    if not integral or groups < 1:
         raise InvalidShape(f"{op}: expected groups an int >= 1, got {groups!r}")
     C, T = r.shape[cax], r.shape[1 - cax]
     G = int(groups)
     if C % G:
         raise InvalidShape(f"{op}: {C} channels do not split into {G} equal groups")
-    Cg = C // G
-    tc = r.permute((1 - cax, cax))                     # [T, C]
-    sT, sC = tc.strides
-    spec = exn.NormSpec(center=True, eps=_eps(op, eps), eps_mode="inside", acc="f64")
+    wr = _param(op, "weight", x, weight, channel_tag, C, True) if weight is not None else None
+    br = _param(op, "bias", x, bias, channel_tag, C, True) if bias is not None else None
+    # the kernels read x's memory as it is: rows [T, C] (tc) or [C, T] (ct); a transposed
+    # contiguous x is read through its transpose (swap), any other strides are copied first
+    swap = not r.is_contiguous() and r.strides == (1, r.shape[0])
+    xr = _transposed(r) if swap else ew.materialize(ctx, r)
+    plan = exn.group_plan("tc" if (cax == 1) != swap else "ct", T, C, G, _eps(op, eps))
+    y, saved = exn.group_forward(ctx, plan, xr, wr, br)
 
-    def grouped_rows(v):                               # [T, C] view -> rows [G, T·Cg]
-        g3 = v.view((G, T, Cg), (Cg * v.strides[1], v.strides[0], v.strides[1]))
-        return ew.materialize(ctx, g3).view((G, T * Cg), (T * Cg, 1))
+    def grads(needs, g):
+        gk = ew.materialize(ctx, _transposed(g) if swap else g)
+        dx, dw, db = exn.group_backward(ctx, plan, saved, xr, gk, wr, br is not None, needs[0])
+        if needs[0] and swap:
+            dx = _transposed(dx)
+        return dx, dw if needs[1] else None, db if needs[2] else None
 
-    def ungrouped(rows):                               # rows [G, T·Cg] -> x's layout
-        tgc = rows.view((T, G, Cg), (Cg, T * Cg, 1))
-        out = ew.materialize(ctx, tgc).view((T, C), (C, 1))
-        return out if cax == 1 else ew.materialize(ctx, out.permute((1, 0)))
+    return finish_op(op, _transposed(y) if swap else y, x.tags, (x, weight, bias),
+                     lambda needs: functools.partial(grads, needs))
 
-    rows = grouped_rows(tc)
-    y, stats = exn.forward(ctx, spec, rows)
 
-    def grads(g):
-        gv = g.permute((1 - cax, cax))
-        dx, _, _ = exn.backward(ctx, spec, rows, grouped_rows(gv), stats)
-        return (ungrouped(dx),)
-
-    return finish_op(op, ungrouped(y), x.tags, (x,), lambda needs: grads)
+def _transposed(r):
+    return r.view(r.shape[::-1], r.strides[::-1])
 
 
 def _eps(op, eps) -> float:
-    return real(op, eps)
+    return eps if type(eps) is float else real(op, eps)  # a float is the common case
 
 
 class NormMethods:
@@ -183,25 +187,19 @@ class NormMethods:
 
     def group_norm(self, channel_tag: str, groups: int, eps: float, weight=None, bias=None):
         """[time, channel]: each of `groups` consecutive channel groups standardized over time
-        × C/groups (f64 sums, biased variance, eps inside the sqrt), then · weight[c] and
+        × C/groups (f64 statistics, biased variance, eps inside the sqrt), then · weight[c] and
         + bias[c] when given (each optional, tagged (channel_tag,)). torch: F.group_norm on
         the channel-first transpose."""
-        y = self._result(*group_norm(self, channel_tag, groups, eps))
-        K = y.shape[y.tags.index(channel_tag)]
-        for what, p in (("weight", weight), ("bias", bias)):
-            if p is not None:
-                _param("group_norm", what, self, p, channel_tag, K, True)
-        if weight is not None:
-            y = y * weight
-        return y if bias is None else y + bias
+        return self._result(*group_norm(self, channel_tag, groups, eps, weight, bias))
 
     def l2_normalize(self, tag: str, eps: float):
         """x · rsqrt(Σ_tag x² + eps) (eps added to the squared norm; differs from F.normalize's
-        x / max(‖x‖, eps)). Composed: needs an exec scope under gradients."""
+        x / max(‖x‖, eps)): the rms_norm row kernel with the sum of squares left undivided.
+        SPEC §3.0 lists it as composed, so it still needs an exec scope under gradients."""
         op = "l2_normalize"
         require_scope(op, self)
-        eps = _eps(op, eps)
-        return self * (self * self).sum(tag).add_scalar(eps).unary("rsqrt")
+        spec = exn.NormSpec(center=False, eps=_eps(op, eps), mean=False)
+        return self._result(*normalize(op, self, tag, spec))
 
     def snake(self, channel_tag: str, alpha, inv_b):
         """x + inv_b[c] · sin(alpha[c] · x)² over [time, channel] (the Snake activation);

@@ -1,13 +1,16 @@
 """Normalization at the exec layer: rows [R, K] with the normalized axis contiguous, per-row
 statistics saved by the forward, and the weight/bias gradients folded from per-chunk partials
-over a row grid fixed by K (so they are bitwise identical for any thread count).
+over a row grid fixed by K (so they are bitwise identical for any thread count). group_norm
+reads its [time, channel] data in place (either axis contiguous) over a time-chunk grid fixed
+by the channel count.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..codegen import kernels
-from ..codegen.norm import NormKey
+from ..codegen.norm import BLOCK_CHANNELS, GroupNormKey, NormKey
 from .elementwise import f32_bits
 from .raw import RawTensor
 from . import reduce as red
@@ -22,7 +25,8 @@ def _per(K: int) -> int:
 @dataclass(frozen=True)
 class NormSpec:
     """What a normalization computes: center (subtract the mean), eps and where it goes, the
-    variance divisor offset ddof, the row-sum accumulator type, the normalized prefix length."""
+    variance divisor offset ddof, the row-sum accumulator type, the normalized prefix length;
+    mean=False divides the sum of squares by nothing (l2_normalize: x·rsqrt(Σx² + eps))."""
 
     center: bool
     eps: float
@@ -30,9 +34,13 @@ class NormSpec:
     ddof: int = 0
     acc: str = "f32"
     valid_len: int | None = None
+    mean: bool = True
 
     def n(self, K: int) -> int:
         return K if self.valid_len is None else self.valid_len
+
+    def divisor(self, K: int) -> int:
+        return self.n(K) - self.ddof if self.mean else 1
 
 
 @dataclass
@@ -57,7 +65,7 @@ def forward(ctx, spec: NormSpec, x: RawTensor, w=None, b=None, residual=None):
     per = _per(K)
     ctx.launch(kernels.get(key), -(-R // per), R * K * 4 * (3 if residual is not None else 2),
                x.addr, out.addr, _a(w), _a(b), _a(residual), _a(mean), inv.addr, _a(std),
-               R, K, n, f32_bits(spec.eps), f32_bits(float(n - spec.ddof)), per)
+               R, K, n, f32_bits(spec.eps), f32_bits(float(spec.divisor(K))), per)
     return out, NormStats(mean, inv, std)
 
 
@@ -75,13 +83,97 @@ def backward(ctx, spec: NormSpec, x: RawTensor, g: RawTensor, stats: NormStats, 
     part = ctx.empty((chunks, nparts * K), "f32") if nparts else None
     ctx.launch(kernels.get(key), chunks, R * K * 4 * 3,
                x.addr, g.addr, _a(w), _a(stats.mean), stats.inv.addr, _a(stats.std), dx.addr,
-               _a(part), R, K, n, f32_bits(spec.eps), f32_bits(float(n - spec.ddof)), per)
+               _a(part), R, K, n, f32_bits(spec.eps), f32_bits(float(spec.divisor(K))), per)
     dw = db = None
     if nparts and param_grads:
         total = red.reduce_axis(ctx, "sum", part, 0)  # chunk partials folded in chunk order
         dw = total.view((K,), (1,), total.offset)
         if nparts == 2:
             db = total.view((K,), (1,), total.offset + K)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# group_norm
+
+GROUP_ROWS_MIN = 64   # per-chunk partials cost 16·C bytes: keep them small against 4·C·rows
+# below this many elements the fused kernel runs even on a team: three fork-joins cost what a
+# second thread saves (measured at 2 threads: even at 64K elements, 1.6x faster at 256K)
+GROUP_TEAM_MIN = 1 << 17
+_group_kernels: dict[tuple, int] = {}
+
+
+class GroupPlan:
+    """group_norm on x viewed as T x C: layout tc (channel axis contiguous) or ct (time axis
+    contiguous), G groups, time chunks of `per` rows (fixed by C), nq of them; one per shape
+    (group_plan). A forward fills one i64-typed buffer of saved_shape that its backward reuses:
+    the per-channel table (f32 [6, C], rows codegen.norm.MEAN_HI..SHIFT), the f64 partial sums
+    [2, nq, C] (the forward's, then the backward's), the backward's coefficients (f32 [2, C])."""
+
+    __slots__ = ("layout", "T", "C", "blocks", "nq", "tail", "saved_shape")
+
+    def __init__(self, layout: str, T: int, C: int, G: int, eps: float):
+        per = max(GROUP_ROWS_MIN, WORK_PER_CHUNK // C)
+        self.layout, self.T, self.C, self.nq = layout, T, C, -(-T // per)
+        gpb = max(1, BLOCK_CHANNELS // (C // G))   # groups per combine chunk
+        self.blocks = -(-G // gpb)
+        self.tail = (T, C, C // G, per, self.nq, f32_bits(eps))
+        self.saved_shape = (4 * C + 2 * C * self.nq,)
+
+    def run(self, ctx, fused: str, ops, addrs, weight: bool, bias: bool) -> None:
+        """The ops in order, one launch each (data passes over the time chunks, combines over
+        blocks of groups); for small problems, or when the first would run inline on the caller
+        anyway, the fused kernel instead: the same ops in the same order in one launch, hence
+        the same bits."""
+        cost = self.T * self.C * 8
+        if self.T * self.C < GROUP_TEAM_MIN or ctx.team_for(self.nq, cost) is None:
+            ctx.launch(_group_kernel(fused, self.layout, weight, bias), 1, cost, *addrs, *self.tail)
+            return
+        for op in ops:
+            if op.endswith("combine"):
+                ctx.launch(_group_kernel(op, self.layout, weight, bias), self.blocks,
+                           self.C * self.nq * 16, *addrs, *self.tail)
+            else:
+                ctx.launch(_group_kernel(op, self.layout, False, False), self.nq, cost, *addrs,
+                           *self.tail)
+
+
+def _group_kernel(*fields) -> int:
+    addr = _group_kernels.get(fields)
+    if addr is None:
+        addr = _group_kernels[fields] = kernels.get(GroupNormKey(*fields))
+    return addr
+
+
+group_plan = functools.lru_cache(maxsize=256)(GroupPlan)
+
+
+def group_forward(ctx, plan: GroupPlan, x: RawTensor, w=None, b=None):
+    """(y in x's shape and layout, the saved buffer). x contiguous f32 [T, C] (tc) or
+    [C, T] (ct); w, b: f32 [C] or None."""
+    y = ctx.empty(x.shape, "f32")
+    saved = ctx.empty(plan.saved_shape, "i64")
+    C, table = plan.C, saved.addr
+    plan.run(ctx, "forward", ("stats", "combine", "apply"),
+             (x.addr, y.addr, 0, _a(w), _a(b), table + 24 * C, table, 0, 0, 0),
+             w is not None, b is not None)
+    return y, saved
+
+
+def group_backward(ctx, plan: GroupPlan, saved: RawTensor, x: RawTensor, g: RawTensor, w=None,
+                   has_bias=False, need_dx=True):
+    """(dx | None, dw | None, db | None): dw when w is given, db when has_bias, dx when asked;
+    g contiguous in x's layout; saved: the forward's."""
+    dx = ctx.empty(x.shape, "f32") if need_dx else None
+    C = plan.C
+    dw = ctx.empty((C,), "f32") if w is not None else None
+    db = ctx.empty((C,), "f32") if has_bias else None
+    table = saved.addr
+    addrs = (x.addr, g.addr, _a(dx), _a(w), 0, table + 24 * C, table,
+             table + 24 * C + 16 * C * plan.nq, _a(dw), _a(db))
+    ops = ("grad_sums", "grad_combine", "grad_apply")
+    plan.run(ctx, "backward" if need_dx else "backward_params", ops if need_dx else ops[:2],
+             addrs, w is not None, has_bias)
     return dx, dw, db
 
 
