@@ -85,6 +85,21 @@ def test_no_grad_and_detach_and_pruning(ctx):
     assert x.grad().numpy().tolist() == [1.0, 2.0]
 
 
+def test_accumulation_reuses_an_unshared_accumulator(ctx):
+    """A second backward adds into the leaf's own buffer when nothing else sees it; a
+    grad_view taken in between keeps its snapshot (the sum then goes to a new buffer)."""
+    w = ctx.variable([1.0, 2.0], ("n",))
+    leaf = w._leaf("test")
+    w.scale(3).sum_all().backward()
+    addr = leaf.grad.addr
+    w.scale(3).sum_all().backward()
+    assert leaf.grad.addr == addr and w.grad().numpy().tolist() == [6.0, 6.0]
+    view = w.grad_view()
+    w.scale(3).sum_all().backward()
+    assert leaf.grad.addr != addr and view.numpy().tolist() == [6.0, 6.0]
+    assert w.grad().numpy().tolist() == [9.0, 9.0]
+
+
 def test_each_leaf_owns_its_gradient(ctx):
     """add hands both operands one buffer and backward(grad=G) starts from the caller's G: every
     leaf still gets its own accumulator, so scaling one gradient touches nothing else."""

@@ -8,6 +8,7 @@ are accumulated in the same order every run.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 
@@ -118,7 +119,13 @@ def backward(root, seed) -> None:
         node = ready.popleft()
         g = grads.pop(node)
         if isinstance(node, Leaf):
-            node.grad = _own(ctx, g, shared) if node.grad is None else add_into(ctx, node.grad, g)
+            if node.grad is None:
+                node.grad = _own(ctx, g, shared)
+            elif sys.getrefcount(node.grad) == 2 and sys.getrefcount(node.grad.buf) == 2:
+                # nothing else sees the accumulator (no grad_view, no other view): add in place
+                ew.run(ctx, "add", "f32", g.shape, (node.grad, g), out=node.grad)
+            else:
+                node.grad = add_into(ctx, node.grad, g)
             shared.add(id(node.grad.buf))
             continue
         outs = node.vjp(g)
