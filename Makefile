@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: demo tour test bench clean
+.PHONY: demo tour finetune test bench clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard fucina/runtime/*.c fucina/runtime/*.h)
 	test -x $(PY) || python3 -m venv .venv
@@ -15,6 +15,9 @@ demo: $(STAMP)
 
 tour: $(STAMP)
 	$(PY) -m examples.tour
+
+finetune: $(STAMP)
+	$(PY) -m examples.finetune
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x tests

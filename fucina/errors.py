@@ -131,7 +131,8 @@ globals().update(_family(LlmError, [
     "MoeUnsupported", "ExecScopeRequired", "InvalidSequenceLength", "LabelLengthMismatch",
     "MalformedJsonl", "SampleTooLong", "EmptyDataset", "InvalidLoaderState",
     "QuantizedSourceUnsupported", "QuantizedBaseUnsupported", "MissingAlpha",
-    "UnknownAdapterName", "MissingLoraB", "OrphanLoraB", "NoAdaptersFound", "InvalidStateDict"],
+    "UnknownAdapterName", "MissingLoraB", "OrphanLoraB", "NoAdaptersFound", "InvalidStateDict",
+    "NoSupervisedTokens", "DatasetTooSmall"],
     "LLM-layer error."))
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +32,7 @@ from .ag.tensor import Tensor
 from .errors import DTypeError, FucinaError
 from .exec import quant as xq
 from .exec.raw import RawTensor, contiguous_layout
+from .io.checkpoint import write_file_atomic
 from .runtime import _rt
 
 MAGIC = b"GGUF"
@@ -327,23 +327,14 @@ def write(path, tensors, metadata, *, alignment: int | None = None) -> None:
         blobs.append(data)
         offset += -(-len(data) // align) * align
     head += bytes(-len(head) % align)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gguf-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(head)
-            for data in blobs:
-                out.write(data)
-                out.write(bytes(-len(data) % align))
-            out.flush()
-            os.fsync(out.fileno())   # on disk before the rename makes it the file
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+
+    def emit(out):
+        out.write(head)
+        for data in blobs:
+            out.write(data)
+            out.write(bytes(-len(data) % align))
+
+    write_file_atomic(path, emit)   # temp file, fsync, rename: readers see old or new, whole
 
 
 def _tensor_bytes(name, t):

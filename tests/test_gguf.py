@@ -183,6 +183,12 @@ def test_write_errors_and_atomicity(ctx1, tmp_path):
         fu.gguf.write(path, {"x": np.ones(3)}, {})
     assert path.read_bytes() == before  # failed writes left the old file whole
     assert sorted(os.listdir(tmp_path)) == ["x.gguf"]  # and no temporary behind
+    old = os.umask(0o022)
+    try:  # a new file gets 0o666 minus the umask, like any other file the user writes
+        fu.gguf.write(tmp_path / "y.gguf", {"x": x}, {})
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "y.gguf").st_mode & 0o777 == 0o644
 
 
 # ---------------------------------------------------------------------------------------------

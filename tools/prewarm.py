@@ -35,6 +35,7 @@ WORKLOADS = {
     "tests": ["-m", "pytest", "-q", "tests"],
     "tour": ["-m", "examples.tour"],
     "demo": ["-m", "examples.spirals"],
+    "finetune": ["-m", "examples.finetune", "--tiny"],
 }
 
 

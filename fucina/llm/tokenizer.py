@@ -55,7 +55,7 @@ PRE_TOKENIZERS = {"gpt-2": _GPT2, "qwen2": _QWEN2, "smollm": _SMOLLM, "llama-bpe
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """GPT-2's byte -> printable character map: bytes that are printable Latin-1 stand for
     themselves, the other 68 take the code points 256, 257, ... in byte order."""
     printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
@@ -69,7 +69,7 @@ def _byte_alphabet() -> list[str]:
     return out
 
 
-_BYTE_CHAR = _byte_alphabet()
+_BYTE_CHAR = byte_alphabet()
 _CHAR_BYTE = {c: b for b, c in enumerate(_BYTE_CHAR)}
 _LATIN1_TO_ALPHABET = {b: c for b, c in enumerate(_BYTE_CHAR)}   # str.translate table
 
