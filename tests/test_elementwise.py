@@ -481,3 +481,31 @@ def test_tiled_thread_count_never_changes_bits(ctx1, ctx2, dtype):
         assert np.array_equal(p.view(np.uint8), q.view(np.uint8))
     want = ctx1.tensor(a, ("c", "r"), dtype=dtype).data_const().T  # a copy moves bits unchanged
     assert np.array_equal(outs[0][0], want)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "i64", "bool"])
+def test_streaming_stores_give_the_same_bits(ctx1, ctx2, monkeypatch, dtype):
+    """A fresh result larger than the last-level cache is written with non-temporal stores; with
+    the threshold lowered, small results take that path: same bits as the cached stores, at 1
+    and 2 threads, with a tail that is not a whole vector and more than one chunk."""
+    n = 3 * ew.CHUNK + 37
+    rng = np.random.default_rng(11)
+    a_np, b_np = rng.standard_normal((2, n)).astype(np.float32)
+    op, out_dtype = ("cmp_gt", "bool") if dtype == "bool" else ("add", dtype)
+
+    def run(ctx):
+        a, b = ctx.tensor(a_np, ("n",)), ctx.tensor(b_np, ("n",))
+        if dtype in ("bf16", "i64"):
+            a, b = a.to(dtype), b.to(dtype)
+        r = a.compare("gt", b) if dtype == "bool" else a + b
+        return ew.key_of(op, out_dtype, (n,), [a._raw, b._raw]), r.numpy()
+
+    key, plain = run(ctx1)
+    assert not key.stream
+    monkeypatch.setattr(ew, "_plans", {})
+    monkeypatch.setattr(ew, "_runs", {})
+    monkeypatch.setattr(ew, "STREAM_BYTES", 1024)
+    for ctx in (ctx1, ctx2):
+        key, got = run(ctx)
+        assert key.stream
+        assert_bitwise(got, plain)

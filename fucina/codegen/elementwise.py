@@ -131,6 +131,7 @@ class ElementwiseKey(KernelKey):
     roles: tuple       # per input: "unit" | "zero" | "strided" | "param" (| "trans" when tiled)
     out_role: str = "linear"  # "linear" (a fresh contiguous result) | "unit" | "strided" (a view)
     #                           | "tile" (V x V register tiles over the last two axes)
+    stream: bool = False  # rank-1 linear result larger than the LLC: non-temporal vector stores
 
     def ir(self, symbol: str) -> str:
         return str(_build_tiled(self, symbol) if self.out_role == "tile" else _build(self, symbol))
@@ -202,7 +203,7 @@ def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
             return
         full = b.sub(length, b.srem(length, u.i64(lanes)))
         with u.Loop(b, u.i64(0), full, lanes, "v") as i:
-            u.store(b, fn(b, *operands(i, lanes)), obase, i, key.out_dtype)
+            u.store(b, fn(b, *operands(i, lanes)), obase, i, key.out_dtype, stream=key.stream)
         rest = b.sub(length, full)
         with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
             mask = u.tail_mask(b, rest, lanes)
@@ -211,6 +212,8 @@ def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
     if r == 1:
         offs = {j: b.mul(e0, strides[j][0]) for j in tensors}
         inner(e0, offs, b.sub(e1, e0))
+        if key.stream:  # order the weakly-ordered streaming stores before the chunk counts as done
+            b.fence("seq_cst")  # (mfence on x86: it orders non-temporal stores too)
         b.ret_void()
         return mod
 

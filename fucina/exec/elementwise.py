@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from pathlib import Path
 
 from ..codegen import kernels
 from ..codegen.elementwise import TILE, ElementwiseKey, op_table, tile_chunks
@@ -17,6 +18,23 @@ from ..runtime import MAX_ARGS
 from .dtypes import ITEMSIZE
 from .raw import RawTensor, contiguous_layout, contiguous_strides, numel
 
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache (Linux sysfs), 32 MiB when it cannot be read."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * unit)
+    return best or 32 << 20
+
+
+STREAM_BYTES = _last_level_cache_bytes()  # fresh results at least this big use streaming stores
 CHUNK = 1 << 15  # elements per chunk: the grid is fixed by n alone (elementwise results never depend on it)
 
 _plans: dict = {}
@@ -125,8 +143,12 @@ def _layout_plan(op, out_dtype, shape, ins, params, out_strides):
         else:
             roles.append(role(next(it)))
             dtypes.append(x[0])
-    key = ElementwiseKey(op, tuple(dtypes), out_dtype, len(cshape), tuple(roles), out_role)
     n = numel(shape)
+    # A fresh result larger than the last-level cache is streamed past it: every chunk starts
+    # on a 64-byte line (pool buffers are 64-byte aligned, CHUNK elements are whole lines).
+    stream = (out_role == "linear" and len(cshape) == 1 and "strided" not in roles
+              and n * ITEMSIZE[out_dtype] >= STREAM_BYTES)
+    key = ElementwiseKey(op, tuple(dtypes), out_dtype, len(cshape), tuple(roles), out_role, stream)
     cost = n * (ITEMSIZE[out_dtype] + sum(ITEMSIZE[x[0]] for x in ins if x is not None))
     strides = tuple(s for st in cstrides for s in st)
     if tiled is not None:
