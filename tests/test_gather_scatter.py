@@ -289,6 +289,125 @@ def test_unbind_into_caller_owned(ctx):
     assert fu.gradcheck(loss, [x]).checked == 12
 
 
+def test_assembly_plans_follow_layouts(ctx):
+    """concat/stack plans are memoised per operand tags and layouts: calls that differ only in
+    strides, dtype, axis order, piece count or gradient need still get their own results."""
+    a, b, w = rand((4, 6)), rand((4, 6)), rand((4, 9))
+    x, y = ctx.tensor(a, ("r", "c")), ctx.tensor(b, ("r", "c"))
+    variants = [
+        (y, b),  # contiguous
+        (ctx.tensor(b.T.copy(), ("c", "r")).permute(("r", "c")), b),  # transposed strides
+        (ctx.tensor(w, ("r", "c")).narrow("c", 2, 6), w[:, 2:8]),  # rows at stride 9
+        (ctx.tensor(b.T.copy(), ("c", "r")), b),  # other axis order, aligned by tag
+    ]
+    for _ in range(2):  # the second round runs on memoised plans
+        for axis, tag in enumerate(("r", "c")):
+            for v, want in variants:
+                assert_bitwise(fu.concat(tag, x, v).numpy(), np.concatenate([a, want], axis))
+                vx = fu.concat(tag, v, x)  # the first operand's axis order
+                assert_bitwise(vx.permute(("r", "c")).numpy(), np.concatenate([want, a], axis))
+                assert_bitwise(fu.stack("s", axis, x, v).numpy(), np.stack([a, want], axis))
+        h = ctx.tensor(b, ("r", "c"), "f16")  # same shape and tags, another dtype
+        assert_bitwise(fu.concat("r", h, h).numpy(), np.concatenate([b, b]).astype(np.float16))
+    many = [rand((3, 5)) for _ in range(9)]  # more pieces than fit in the argument block
+    ts = [ctx.tensor(m, ("r", "c")) for m in many]
+    for k in (2, 6, 7, 9):
+        for axis, tag in enumerate(("r", "c")):
+            assert_bitwise(fu.concat(tag, *ts[:k]).numpy(), np.concatenate(many[:k], axis))
+    long = [rand((3, 4099)) for _ in range(9)]  # rows longer than a work item, table in a buffer
+    assert_bitwise(fu.concat("c", *[ctx.tensor(m, ("r", "c")) for m in long]).numpy(), np.concatenate(long, 1))
+    # the same layouts with gradients: the memoised plan still records the node
+    grads_both(ctx, [a, b.T.copy()], [("r", "c"), ("c", "r")], lambda u, v: fu.concat("c", u, v, u),
+               lambda t, s: torch.cat([t, s.T, t], 1))
+    grads_both(ctx, [a, b.T.copy()], [("r", "c"), ("c", "r")], lambda u, v: fu.stack("s", 1, u, v),
+               lambda t, s: torch.stack([t, s.T], 1), scoped=True)
+
+
+def _message(fn, cls):
+    with pytest.raises(cls) as e:
+        fn()
+    return str(e.value)
+
+
+def test_memoised_plans_keep_the_errors(ctx):
+    """A bad call that shares its key with a memoised plan (released, closed, foreign or
+    non-tensor operands; a bool axis_index; bad indices) raises what a first call raises."""
+    from fucina.ag import gather_scatter as ags
+
+    x, y = ctx.tensor(rand((4, 5)), ("r", "c")), ctx.tensor(rand((4, 5)), ("r", "c"))
+    idx = ctx.tensor([4, 0, 2], ("k",), "i64")
+    other = fu.ExecContext(threads=1)
+    closed = fu.ExecContext(threads=1)
+    try:
+        foreign = other.tensor(rand((4, 5)), ("r", "c"))
+        gone = ctx.tensor(rand((4, 5)), ("r", "c"))
+        gone.release()
+        cx = closed.tensor(rand((4, 5)), ("r", "c"))
+        fu.concat("c", cx, cx)
+        closed.close()
+        cases = [
+            (lambda: fu.concat("c", x, foreign), fu.ContextMismatch, "different ExecContexts"),
+            (lambda: fu.concat("c", x, gone), fu.UseAfterRelease, "was released"),
+            (lambda: fu.concat("c", gone, x), fu.UseAfterRelease, "was released"),
+            (lambda: fu.concat("c", cx, cx), fu.ContextClosed, "was closed"),
+            (lambda: fu.concat("c", x, y.numpy()), TypeError, "expected Tensor operands"),
+            (lambda: fu.concat("z", x, y), fu.TagError, "z"),
+            (lambda: fu.concat(["c"], x, y), fu.TagError, "is not an axis"),  # unhashable tags
+            (lambda: fu.stack(["s"], 1, x, y), fu.TagError, "strings"),
+            (lambda: x.index_select(["c"], idx, "c"), fu.TagError, "is not an axis"),
+            (lambda: fu.stack("s", True, x, y), TypeError, "integer axis_index"),
+            (lambda: fu.stack("s", 1, x, gone), fu.UseAfterRelease, "was released"),
+            (lambda: x.index_select("c", other.tensor([1], ("k",), "i64"), "c"), fu.ContextMismatch,
+             "different ExecContexts"),
+            (lambda: x.index_select("c", ctx.tensor([1.0], ("k",)), "c"), fu.DTypeError, "expected i64"),
+            (lambda: x.index_select("c", ctx.tensor([[1]], ("k", "l"), "i64"), "c"), fu.InvalidShape, "rank-1"),
+            (lambda: x.index_select("c", [1, 2], "c"), TypeError, "i64 Tensor of indices"),
+            (lambda: gone.index_select("c", idx, "c"), fu.UseAfterRelease, "was released"),
+            (lambda: x.index_select("c", ctx.tensor([1, 5], ("k",), "i64"), "c"), fu.IndexOutOfBounds,
+             "index 5 at position 1 is out of range for axis 'c' of size 5"),
+            (lambda: x.index_select("r", idx, "r"), fu.IndexOutOfBounds, "index 4 at position 0"),
+        ]
+        ags._assemblies.clear()
+        ags._gather_tags.clear()
+        first = [_message(fn, cls) for fn, cls, _ in cases]  # nothing memoised yet
+        fu.concat("c", x, y)  # memoise the plans these keys hit
+        fu.stack("s", 1, x, y)
+        x.index_select("c", idx.narrow("k", 1, 2), "c")
+        for (fn, cls, text), msg in zip(cases, first):
+            assert text in msg
+            assert _message(fn, cls) == msg
+        v = ctx.variable(rand((4, 5)), ("r", "c"))
+        with pytest.raises(fu.ActiveExecScopeRequired):
+            fu.stack("s", 1, v, v)
+        with ctx.exec_scope():
+            fu.stack("s", 1, v, v)
+        with pytest.raises(fu.ActiveExecScopeRequired):  # memoised, still scoped under gradients
+            fu.stack("s", 1, v, v)
+    finally:
+        other.close()
+        closed.close()
+
+
+def test_column_gathers_follow_layouts(ctx):
+    """index_select plans are memoised per layouts: strided, permuted and other-dtype sources
+    of one shape each get their own values."""
+    a = rand((6, 10))
+    cols = RNG.integers(0, 8, 5)
+    i = ctx.tensor(cols, ("k",), "i64")
+    sources = [(ctx.tensor(a[:, :8].copy(), ("r", "c")), a[:, :8]),
+               (ctx.tensor(a, ("r", "c")).narrow("c", 2, 8), a[:, 2:]),
+               (ctx.tensor(a[:, :8].T.copy(), ("c", "r")).permute(("r", "c")), a[:, :8]),
+               (ctx.tensor(a[:, :8], ("r", "c"), "bf16"), ctx.tensor(a[:, :8], ("r", "c"), "bf16").numpy())]
+    for _ in range(2):
+        for x, want in sources:
+            assert_bitwise(x.index_select("c", i, "c").numpy(), want[:, cols])
+            assert_bitwise(x.index_select("c", ctx.tensor(cols[::-1].copy(), ("k",), "i64"), "k").numpy(),
+                           want[:, cols[::-1]])
+            assert_bitwise(x.index_select("r", i.narrow("k", 0, 3) if cols[:3].max() < 6 else
+                                          ctx.tensor([5, 0, 3], ("k",), "i64"), "r").numpy(),
+                           want[cols[:3] if cols[:3].max() < 6 else [5, 0, 3]])
+
+
 # ---------------------------------------------------------------------------------------------
 # functional updates
 
@@ -435,6 +554,15 @@ def test_block_copies_and_fills(ctx):
     for dtype in ("f16", "bf16", "i64", "bool"):
         h = ctx.tensor(a[:, :100] * 4, ("r", "c"), dtype)
         assert_bitwise(h.pad("r", 2, 1, 1).numpy(), np.pad(h.numpy(), [(2, 1), (0, 0)], constant_values=1))
+        # one-element columns (rows of one element at a stride) and a column copy
+        assert_bitwise(h.pad("c", 1, 1, 0).numpy(), np.pad(h.numpy(), [(0, 0), (1, 1)], constant_values=0))
+        col = ctx.tensor(a[:, :1] * 2, ("r", "c"), dtype)
+        assert_bitwise(h.set_slice("c", 7, col).numpy(),
+                       np.concatenate([h.numpy()[:, :7], col.numpy(), h.numpy()[:, 8:]], 1))
+    for fill in (0.0, -0.0, 0.0, -0.0, np.float32(-0.0), float("nan")):  # fill bits memoised exactly
+        got = x.narrow("c", 0, 6).pad("c", 1, 0, fill).numpy()[:, 0]
+        assert_bitwise(got, np.full(3, fill, np.float32))
+        assert (np.signbit(got) == np.signbit(np.float32(fill))).all()
         t = ctx.zeros((4, 6, 5), ("a", "b", "c"), dtype)._raw
         view = t.permute([2, 0, 1]).narrow(2, 1, 3)  # no fold to rows: the elementwise path
         gs.fill(ctx, view, 1)
@@ -584,6 +712,7 @@ def test_bitwise_thread_invariance(ctx1, ctx2):
         out.append(xc.masked_select(ctx.tensor(keep, ("v", "d"), "bool"), "k").numpy())
         out.append(np.array(xc.nonzero()))
         out.append(fu.concat("d", xc, xc.flip("v")).roll("v", 17).repeat_axis("d", 2).numpy())
+        out.append(fu.concat("v", *[xc] * 9).numpy())  # the piece table in a buffer
         return out
 
     for p, q in zip(run(ctx1), run(ctx2)):

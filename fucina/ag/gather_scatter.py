@@ -10,6 +10,7 @@ slot's g, SPEC §7.1 item 2), overwritten or zeroed positions pass 0 to self.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from ..errors import (DTypeError, EmptySelection, IndexOutOfBounds, InvalidShape
 from ..exec import elementwise as ew
 from ..exec import gather_scatter as gs
 from ..exec import reduce as red
-from ..exec.raw import MAX_RANK
+from ..exec.raw import MAX_RANK, contiguous_layout
 from .checks import real, require_scope, same_ctx
 from .elementwise import view
 from .engine import finish_op
@@ -81,6 +82,17 @@ def _index_tensor(op: str, x, t, what: str = "indices"):
     return r
 
 
+def _selector(op: str, x, indices):
+    """index_select's indices (a rank-1 i64 tensor of x's context) checked one by one."""
+    x._live(op)
+    if not _is_tensor(indices):
+        raise TypeError(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
+    idx = _index_tensor(op, x, indices)
+    if len(idx.shape) != 1:
+        raise InvalidShape(f"{op}: expected rank-1 indices, got shape {idx.shape}")
+    return idx
+
+
 def _rows_index(op: str, x, indices):
     """Host indices (list, tuple, range, integer ndarray) or a rank-1 i64 tensor -> i64 [J]."""
     if _is_tensor(indices):
@@ -134,22 +146,31 @@ def _back(g, back):
 # ---------------------------------------------------------------------------------------------
 # shared bodies
 
-_gather_tags: dict = {}  # (tags, tag, out_tag) -> (axis, result tags): resolved once
+_gather_tags: dict = {}  # (tags, tag, out_tag) -> (axis, result tags, where): resolved once
+
+
+def _plan_for(plans: dict, key):
+    """plans[key], or None when absent or the key is unhashable (a tag that is no string:
+    the checks then raise TagError)."""
+    try:
+        return plans.get(key)
+    except TypeError:
+        return None
 
 
 def _gather(op: str, x, tag: str, idx, out_tag: str, rows: bool):
     r = x._live(op)
     ctx = r.ctx
     k = (x.tags, tag, out_tag)
-    t = _gather_tags.get(k)
+    t = _plan_for(_gather_tags, k)
     if t is None:
         ax = axes.axis_of(x.tags, tag, op)
         tags = x.tags
         if out_tag != tag:
             tags = axes.check_tags(x.tags[:ax] + (out_tag,) + x.tags[ax + 1:], r.rank, op)
-        t = _gather_tags[k] = (ax, tags)
-    ax, tags = t
-    out = gs.gather(ctx, r, ax, idx, rows=rows, op=op, where=_where(tag))
+        t = _gather_tags[k] = (ax, tags, _where(tag))
+    ax, tags, where = t
+    out = gs.gather(ctx, r, ax, idx, rows=rows, op=op, where=where)
     if x._node is None:  # no graph to record (the common inference path): skip the closures
         return out, tags, None
     shape = r.shape
@@ -157,7 +178,7 @@ def _gather(op: str, x, tag: str, idx, out_tag: str, rows: bool):
     def vjp(needs):
         def run(g):
             gx = gs.zeros(ctx, shape)
-            gs.put(ctx, gx, ax, idx, g, "add", rows=rows, op=op + " backward", where=_where(tag))
+            gs.put(ctx, gx, ax, idx, g, "add", rows=rows, op=op + " backward", where=where)
             return (gx,)
         return run
     return finish_op(op, out, tags, (x,), vjp)
@@ -206,57 +227,115 @@ def _window_grad(ctx, shape, ax: int, start: int, g):
     return gs.assemble(ctx, shape, "f32", ax, [(0.0, start), (g, n), (0.0, shape[ax] - start - n)])
 
 
-def _assembled(op: str, tensors, ax: int, out_tags, out_shape, parts):
-    """One node for concat/stack. parts[k] = (operand k viewed in the result's layout, its
-    length along ax, to_grad): operand k's gradient is to_grad(its window of g)."""
-    out = gs.assemble(tensors[0]._raw.ctx, out_shape, parts[0][0].dtype, ax, [(v, n) for v, n, _ in parts])
+# concat and stack: every check, the result's layout and the join's launch depend only on the
+# call's arguments and the operands' tags and layouts, so they are worked out once per such
+# combination (_assembly_plan); a repeated call only looks its plan up, allocates and launches.
 
-    def vjp(needs):
-        offs = list(itertools.accumulate((n for _, n, _ in parts), initial=0))
-
-        def run(g):
-            return tuple(to_grad(g.narrow(ax, off, n)) if need else None
-                         for need, off, (_, n, to_grad) in zip(needs, offs, parts))
-        return run
-    return finish_op(op, out, out_tags, tuple(tensors), vjp)
+_assemblies: dict = {}  # (op, arguments, operand tags and layouts...) -> plan
 
 
-def _concat(tag: str, tensors):
-    op = "concat"
+def _assembly_plan(ax: int, tags, shape, views, backs, squeeze: bool):
+    """views[k]: operand k's layout seen in the result's axis order and rank; backs[k]: the
+    permutation taking a gradient back to operand k's own order (None: same order); squeeze:
+    the joined axis is new (stack), dropped from each gradient window."""
+    out = contiguous_layout(views[0].dtype, shape)
+    ns = tuple(v.shape[ax] for v in views)
+    return ax, tags, out, tuple(views), gs.join_plan(out, ax, views), ns, tuple(backs), squeeze
+
+
+def _assembled(head: tuple, tensors, plan_of, scoped: bool = False):
+    """One node for concat/stack (head: the op's name and arguments): the plan for this call,
+    the join, and the gradient rule (operand k gets its window of g). plan_of(head, tensors)
+    checks the operands and builds the plan on a miss. scoped: composed in the reference, so
+    an exec scope is required under gradients."""
+    x = tensors[0]
+    r = x._raw
+    ctx = None if r is None or r.ctx.closed else r.ctx
+    cls = type(x)
+    key, raws, graph = list(head), [], False
+    for t in tensors:
+        r = t._raw
+        if ctx is None or type(t) is not cls or r is None or r.ctx is not ctx:
+            key = None  # released, closed, of another type or context: plan_of raises
+            break
+        key += (t.tags, r.lay)
+        raws.append(r)
+        graph = graph or t._node is not None
+    else:
+        key = tuple(key)
+    plan = _plan_for(_assemblies, key)
+    if plan is None:
+        plan = plan_of(head, tensors)
+        if key is not None:
+            _assemblies[key] = plan
+    op = head[0]
+    if scoped:
+        require_scope(op, *tensors)
+    ax, tags, out, views, join, ns, _, _ = plan
+    if join:  # the views share their operands' addresses
+        res = gs.join(ctx, join, raws)
+    else:
+        res = gs.assemble(ctx, out.shape, out.dtype, ax,
+                          [(r.view(v.shape, v.strides), n) for r, v, n in zip(raws, views, ns)])
+    if not graph:  # no operand requires grad: nothing to record (finish_op would agree)
+        return res, tags, None
+    return finish_op(op, res, tags, tensors, functools.partial(_assembly_vjp, plan))
+
+
+def _assembly_vjp(plan, needs):
+    ax, _, _, _, _, ns, backs, squeeze = plan
+    offs = itertools.accumulate(ns, initial=0)
+
+    def window(g, off, n, back):
+        w = g.narrow(ax, off, n)
+        if squeeze:
+            w = w.view(w.shape[:ax] + w.shape[ax + 1:], w.strides[:ax] + w.strides[ax + 1:])
+        return _back(w, back)
+
+    def run(g):
+        return tuple(window(g, off, n, back) if need else None
+                     for need, off, n, back in zip(needs, offs, ns, backs))
+    return run
+
+
+def _concat_plan(head, tensors):
+    op, tag = head
     x = tensors[0]
     r = x._live(op)
     ax = axes.axis_of(x.tags, tag, op)
-    parts = []
+    views, backs = [], []
     for t in tensors:
         v, back = _like(op, x, t, "operands", ax)
         _same_dtype(op, "operands", r, v)
-        parts.append((v, v.shape[ax], lambda w, back=back: _back(w, back)))
-    shape = r.shape[:ax] + (sum(n for _, n, _ in parts),) + r.shape[ax + 1:]
-    return _assembled(op, tensors, ax, x.tags, shape, parts)
+        views.append(v.lay)
+        backs.append(back)
+    shape = r.shape[:ax] + (sum(v.shape[ax] for v in views),) + r.shape[ax + 1:]
+    return _assembly_plan(ax, x.tags, shape, views, backs, False)
 
 
-def _stack(new_tag: str, axis_index, tensors):
-    op = "stack"
+def _stack_plan(head, tensors):
+    op, new_tag, k = head
     x = tensors[0]
     r = x._live(op)
-    k = _int(op, "axis_index", axis_index)
     if not 0 <= k <= r.rank:
         raise IndexOutOfBounds(f"{op}: expected 0 <= axis_index <= {r.rank}, got {k}")
     if r.rank + 1 > MAX_RANK:
         raise InvalidShape(f"{op}: the result would have rank {r.rank + 1} > {MAX_RANK}")
     tags = axes.check_tags(x.tags[:k] + (new_tag,) + x.tags[k:], r.rank + 1, op)
-
-    def to_grad(w, back):  # the window without the stacked axis, in the operand's own order
-        return _back(w.view(w.shape[:k] + w.shape[k + 1:], w.strides[:k] + w.strides[k + 1:]), back)
-    parts = []
+    views, backs = [], []
     for t in tensors:
         v, back = _like(op, x, t, "operands", None)
         _same_dtype(op, "operands", r, v)
-        v1 = v.view(v.shape[:k] + (1,) + v.shape[k:], v.strides[:k] + (0,) + v.strides[k:])
-        parts.append((v1, 1, lambda w, back=back: to_grad(w, back)))
-    require_scope(op, *tensors)
+        views.append(v.view(v.shape[:k] + (1,) + v.shape[k:], v.strides[:k] + (0,) + v.strides[k:]).lay)
+        backs.append(back)
     shape = r.shape[:k] + (len(tensors),) + r.shape[k:]
-    return _assembled(op, tensors, k, tags, shape, parts)
+    return _assembly_plan(k, tags, shape, views, backs, True)
+
+
+def _stack(new_tag: str, axis_index, tensors):
+    op = "stack"
+    tensors[0]._live(op)
+    return _assembled((op, new_tag, _int(op, "axis_index", axis_index)), tensors, _stack_plan, True)
 
 
 def _operands(op: str, tensors):
@@ -268,7 +347,7 @@ def _operands(op: str, tensors):
     if not tensors:
         raise TypeError(f"{op}: expected at least one tensor")
     for t in tensors:
-        if not _is_tensor(t):
+        if not isinstance(t, GatherScatterMethods):
             raise TypeError(f"{op}: expected Tensor operands, got {type(t).__name__}")
     return tuple(tensors)  # contexts are checked operand by operand (_like)
 
@@ -276,7 +355,7 @@ def _operands(op: str, tensors):
 def concat(tag: str, *tensors):
     """`fu.concat(tag, a, b, ...)`: join along the existing axis `tag` (one node, grad to all)."""
     tensors = _operands("concat", tensors)
-    return tensors[0]._result(*_concat(tag, tensors))
+    return tensors[0]._result(*_assembled(("concat", tag), tensors, _concat_plan))
 
 
 def stack(new_tag: str, axis_index: int, *tensors):
@@ -325,12 +404,10 @@ class GatherScatterMethods:
     def index_select(self, tag: str, indices, out_tag: str):
         """gather() through a rank-1 i64 tensor; negative indices are out of range."""
         op = "index_select"
-        self._live(op)
-        if not _is_tensor(indices):
-            raise TypeError(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
-        idx = _index_tensor(op, self, indices)
-        if len(idx.shape) != 1:
-            raise InvalidShape(f"{op}: expected rank-1 indices, got shape {idx.shape}")
+        r, idx = self._raw, getattr(indices, "_raw", None)
+        if (type(indices) is not type(self) or r is None or idx is None or idx.ctx is not r.ctx
+                or r.ctx.closed or idx.lay.dtype != "i64" or len(idx.lay.shape) != 1):
+            idx = _selector(op, self, indices)  # the checks in order: one of them raises
         return self._result(*_gather(op, self, tag, idx, out_tag, True))
 
     def take_along_axis(self, tag: str, indices):
@@ -426,7 +503,7 @@ class GatherScatterMethods:
     def concat(self, tag: str, *others):
         """self followed by others along the existing axis `tag` (others: tensors with self's
         tags, in any order, and self's sizes off `tag`). One node; gradient to all."""
-        return self._result(*_concat(tag, _operands("concat", (self, *others))))
+        return self._result(*_assembled(("concat", tag), _operands("concat", (self, *others)), _concat_plan))
 
     def stack(self, new_tag: str, axis_index: int, *others):
         """self and others (same tags and sizes) along a new axis `new_tag` inserted at

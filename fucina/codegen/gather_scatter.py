@@ -29,8 +29,14 @@ unsigned) is skipped, its gathered value is 0, and the kernel stores 1 into the 
 exec layer raises IndexOutOfBounds after the launch.
 
 Argument block (indexed copies): data, dense, idx, flag, A, N, J, B, data strides (A, N),
-dense strides (A, J) — inner strides are 1 — then the grid: gather `per` and the j block
-(vec "j"); puts rows per band, bands, columns per block, blocks, items per chunk.
+dense strides (A, J) — inner strides are 1 — then the grid: gather `per`, the j block and the
+bytes of a data row to prefetch (vec "j"); puts rows per band, bands, columns per block,
+blocks, items per chunk.
+
+Prefetch: a vec "j" gather reads its data row in index order, which the hardware prefetcher
+cannot follow; with a unit-stride row the kernel prefetches, once per row, the row
+PREFETCH_ROWS ahead (measured 1.5x on 1024 random columns of [4096, 1024] f32). The exec
+layer passes 0 bytes when a row is too long or too sparsely indexed for that to pay.
 
 Compaction (masked_select, nonzero, masked_select's backward) runs over a fixed grid of CHUNK
 elements in three launches: `count` (truthy mask elements per chunk), `offsets` (one serial
@@ -247,13 +253,16 @@ def _common(b, args):
     return data, dense, idx, flag, A, N, J, B, dA, dN, eA, eJ
 
 
+PREFETCH_ROWS = 2  # vec "j" gathers: prefetch the data row this many rows ahead
+
+
 def _gather(key, b, args, c0, c1):
     st = u.STORAGE[key.dtype]
     L = _lanes()
     data, out, idx, flag, A, N, J, B, dA, dN, eA, eJ = _common(b, args)
     per = u.arg(b, args, 12)
     if key.vec == "j":  # B == 1: item (a, block of JB positions), vectors along j
-        JB = u.arg(b, args, 13)
+        JB, pf = u.arg(b, args, 13), u.arg(b, args, 14)
         nblk = b.sdiv(b.add(J, b.sub(JB, u.i64(1))), JB)
         q0, q1 = b.mul(c0, per), u.smin(b, b.mul(c1, per), b.mul(A, nblk))
         with _Grid(b, q0, q1, nblk) as (q, a, jb):
@@ -262,6 +271,12 @@ def _gather(key, b, args, c0, c1):
             ib = idx if key.rows else b.gep(idx, [b.mul(a, J)], source_etype=u.I64)
             db = b.gep(data, [b.mul(a, dA)], source_etype=st)
             ob = b.gep(out, [b.mul(a, eA)], source_etype=st)
+            if key.unit:  # the first pf bytes of the data row PREFETCH_ROWS ahead, once per row
+                ahead = b.add(a, u.i64(PREFETCH_ROWS))
+                with b.if_then(b.and_(b.icmp_signed("==", jb, u.i64(0)), b.icmp_signed("<", ahead, A))):
+                    row = b.gep(data, [b.mul(ahead, dA)], source_etype=st)
+                    with u.Loop(b, u.i64(0), pf, 64, "pf") as o:
+                        _prefetch(b, b.gep(row, [o], source_etype=u.I8))
 
             def body(j, m):
                 iv = _ld(b, ib, j, u.I64, L, m)
@@ -407,22 +422,27 @@ class JoinKey(KernelKey):
     supplies bytes [off_p, off_p + w_p) of every row from src_p + a * stride_p. One launch for
     the whole result, written front to back (measured faster than piece after piece).
     spans=False: an item is a whole output row; spans=True (rows longer than CW): an item is a
-    span of CW bytes of a row, clipped against each piece. Argument block: piece table (K x
-    [src, stride, off, w], i64), dst, A, RW, K, CW, items per chunk."""
+    span of CW bytes of a row, clipped against each piece. Argument block: dst, A, RW, K, CW,
+    items per chunk, the piece table's address, or 0 when the table follows in the argument
+    block itself (a few pieces: no table buffer to fill per call). The table (i64): the K
+    source addresses, then K x [row stride, off, w] (fixed per layout, filled once)."""
 
     family = "gather_scatter_join"
     spans: bool = False
 
     def ir(self, symbol: str) -> str:
         mod, b, args, c0, c1 = u.kernel(symbol)
-        table, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
-        A, RW, K, CW, per = (u.arg(b, args, i) for i in range(2, 7))
+        dst = u.arg_ptr(b, args, 0)
+        A, RW, K, CW, per, tp = (u.arg(b, args, i) for i in range(1, 7))
+        table = b.select(b.icmp_signed("==", tp, u.i64(0)), b.gep(args, [u.i64(7)], source_etype=u.I64),
+                         b.inttoptr(tp, u.PTR))
         L = host().vector_bits // 8
         nk = b.sdiv(b.add(RW, b.sub(CW, u.i64(1))), CW) if self.spans else u.i64(1)
         q0, q1 = b.mul(c0, per), u.smin(b, b.mul(c1, per), b.mul(A, nk))
 
         def piece(p):
-            return (_ld(b, table, b.add(b.mul(p, u.i64(4)), u.i64(f)), u.I64) for f in range(4))
+            fixed = b.add(K, b.mul(p, u.i64(3)))
+            return (_ld(b, table, p, u.I64), *(_ld(b, table, b.add(fixed, u.i64(f)), u.I64) for f in range(3)))
         if not self.spans:  # rows outer, pieces inner: the output is written front to back
             with u.Loop(b, q0, q1, 1, "a") as a:
                 drow = b.gep(dst, [b.mul(a, RW)], source_etype=u.I8)

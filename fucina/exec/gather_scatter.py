@@ -11,6 +11,8 @@ per interned layout, so a repeated call is a dict hit, an allocation and a launc
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from ..codegen import kernels
@@ -27,6 +29,7 @@ COLUMNS = 256             # puts: columns per item when a row is longer than 2 *
 MAX_BANDS = 16            # puts: at most this many row bands (each one rescans the indices)
 CHUNK = 1 << 15           # compaction: elements per chunk
 ADD_DTYPES = ("f32", "i64")
+PREFETCH_ROW_BYTES = 1 << 14  # vec "j" gathers: longest data row prefetched (a few fit in L1)
 
 
 _kernels: dict = {}  # key fields -> kernel address (building a key dataclass costs microseconds)
@@ -77,8 +80,11 @@ def _flag(ctx):
     return ctx.pool.alloc(8, False, True)
 
 
+_FLAG = struct.Struct("q")
+
+
 def _check(flag, idx: RawTensor, N: int, op: str, where: str) -> None:
-    if memoryview(flag).cast("q")[0]:
+    if _FLAG.unpack_from(flag)[0]:
         _raise_bad(idx, N, op, where)
 
 
@@ -110,7 +116,7 @@ def gather(ctx, x: RawTensor, axis: int, idx: RawTensor, *, rows: bool, op: str,
     out = RawTensor(pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
     flag = pool.alloc(8, False, True)
     _rt.launch(ctx.team_for(n_chunks, cost), addr, n_chunks, cost, x.addr, out.addr, idx.addr, flag.addr, *tail)
-    if memoryview(flag).cast("q")[0]:
+    if _FLAG.unpack_from(flag)[0]:
         _raise_bad(idx, N, op, where)
     return out
 
@@ -127,8 +133,10 @@ def _gather_plan(x: RawTensor, axis: int, idx: RawTensor, rows: bool):
     if B == 1:
         jb = min(J, JBLOCK)
         per = max(1, WORK_PER_CHUNK // jb)
+        row = N * lay.itemsize  # prefetched ahead when short and covered by the indices
+        pf = row if dN == 1 and row <= PREFETCH_ROW_BYTES and row <= 64 * J else 0
         return (lay, _kernel(GatherScatterKey, "gather", x.dtype, "j", rows, dN == 1),
-                -(-(A * -(-J // jb)) // per), cost, (A, N, J, 1, dA, dN, J, 1, per, jb), N)
+                -(-(A * -(-J // jb)) // per), cost, (A, N, J, 1, dA, dN, J, 1, per, jb, pf), N)
     per = max(1, WORK_PER_CHUNK // B)
     return (lay, _kernel(GatherScatterKey, "gather", x.dtype, "b", rows), -(-(A * J) // per), cost,
             (A, N, J, B, dA, dN, J * B, B, per), N)
@@ -195,6 +203,8 @@ def _block_plan(dst: RawTensor, src: RawTensor | None):
     elif len(cshape) <= 2 and all(st[-1] == 1 for st in cstr):
         plan = ((1, cshape[0], (0,) * len(walks)) if len(cshape) == 1 else
                 (cshape[0], cshape[1], tuple(st[0] for st in cstr)))
+    elif len(cshape) == 1 and all(st[0] >= 0 for st in cstr):  # a column: rows of one element
+        plan = (cshape[0], 1, tuple(st[0] for st in cstr))
     _blocks[k] = plan
     return plan
 
@@ -228,11 +238,25 @@ def fill(ctx, dst: RawTensor, value) -> None:
         return
     A, W, (dA,) = plan
     isz = dst.lay.itemsize
-    bits = int(to_storage(np.array([value]), dst.dtype).view(f"u{isz}")[0])
+    bits = _fill_bits(dst.dtype, value)
     stream = A == 1 and W * isz >= STREAM_BYTES and dst.addr % 64 == 0
     CW, n_chunks = _block_grid(A, W * isz)
     ctx.launch(_kernel(BlockKey, "fill", dst.dtype, stream), n_chunks, A * W * isz, bits, dst.addr,
                A, W, 0, dA, CW // isz, max(1, BLOCK_BYTES // CW))
+
+
+_bits: dict = {}  # (dtype, type, the value's exact bytes) -> its bits as stored
+
+
+def _fill_bits(dtype: str, value) -> int:
+    """The storage bits of `value` in `dtype` (memoised by the value's exact representation:
+    0.0 and -0.0 differ)."""
+    k = (dtype, type(value), struct.pack("<d", value) if isinstance(value, (float, np.floating)) else value)
+    bits = _bits.get(k)
+    if bits is None:
+        arr = to_storage(np.array([value]), dtype)
+        bits = _bits[k] = int(arr.view(f"u{arr.itemsize}")[0])
+    return bits
 
 
 def zeros(ctx, shape) -> RawTensor:
@@ -254,16 +278,17 @@ def assemble(ctx, shape, dtype: str, axis: int, pieces) -> RawTensor:
     """A new tensor laid out along `axis` from consecutive pieces: (RawTensor, n) copies a view
     of n positions, (number, n) fills them. Tensor-only pieces whose rows are contiguous are
     joined in one launch; otherwise piece by piece."""
-    out = ctx.empty(shape, dtype)
     if all(isinstance(p, RawTensor) or n == 0 for p, n in pieces):
-        pieces = [(p, n) for p, n in pieces if n]
-        key = (out.lay, axis, *[p.lay for p, _ in pieces])
+        pieces = [p for p, n in pieces if n]
+        lay = contiguous_layout(dtype, shape)
+        key = (lay, axis, *[p.lay for p in pieces])
         plan = _joins.get(key)
         if plan is None:
-            plan = _joins[key] = _join_plan(out, axis, pieces)
+            plan = _joins[key] = join_plan(lay, axis, [p.lay for p in pieces])
         if plan:
-            _join(ctx, out, pieces, plan)
-            return out
+            return join(ctx, plan, pieces)
+        pieces = [(p, p.shape[axis]) for p in pieces]
+    out = ctx.empty(shape, dtype)
     pos = 0
     for piece, n in pieces:
         if n:
@@ -279,31 +304,46 @@ def assemble(ctx, shape, dtype: str, axis: int, pieces) -> RawTensor:
 _joins: dict = {}  # (out layout, axis, piece layouts...) -> join plan, or False (piece by piece)
 
 
-def _join_plan(out: RawTensor, axis: int, pieces):
-    """out (contiguous) seen as rows [A, RW bytes]; every piece must be rows [A, n_p * B] with
-    contiguous rows: (A, RW, [(row stride, offset, width) in bytes], CW, chunks, per)."""
-    A, isz = numel(out.shape[:axis]), out.lay.itemsize
-    rows, off = [], 0
-    for p, _ in pieces:
-        inner = _fold(p.shape[axis:], p.strides[axis:])
-        outer = _fold(p.shape[:axis], p.strides[:axis])
+JOIN_INLINE = (_rt.MAX_ARGS - 7) // 4  # joins of at most this many pieces pass their table as arguments
+
+
+def join_plan(out, axis: int, lays):
+    """How to join pieces of layouts `lays` side by side along `axis` into a new tensor of
+    the contiguous layout `out` in one launch, or False when a piece's rows are not contiguous.
+    out is seen as rows [A, RW bytes], piece p as rows [A, n_p * B] at some row stride: the
+    piece table's fixed part (row stride, offset, width in bytes per piece) is worked out here,
+    only the pieces' addresses come per call."""
+    A, isz = numel(out.shape[:axis]), out.itemsize
+    fixed, off = [], 0
+    for lay in lays:
+        inner = _fold(lay.shape[axis:], lay.strides[axis:])
+        outer = _fold(lay.shape[:axis], lay.strides[:axis])
         if outer is None or inner is None or (inner[0] > 1 and inner[1] != 1):
             return False
         w = inner[0] * isz
-        rows.append((outer[1] * isz if A > 1 else 0, off, w))
+        fixed += (outer[1] * isz if A > 1 else 0, off, w)
         off += w
+    K = len(lays)
     CW, n_chunks = _block_grid(A, off)
-    return A, off, rows, CW, n_chunks, max(1, BLOCK_BYTES // CW)
+    table = None if K <= JOIN_INLINE else struct.Struct(f"{4 * K}q")
+    return (out, _kernel(JoinKey, off > CW), n_chunks, 2 * A * off, (A, off, K, CW, max(1, BLOCK_BYTES // CW)),
+            tuple(fixed), table)
 
 
-def _join(ctx, out: RawTensor, pieces, plan) -> None:
-    A, RW, rows, CW, n_chunks, per = plan
-    table = ctx.empty((len(rows), 4), "i64")
-    t = memoryview(table.buf).cast("q")
-    for k, ((p, _), (stride, off, w)) in enumerate(zip(pieces, rows)):
-        t[4 * k], t[4 * k + 1], t[4 * k + 2], t[4 * k + 3] = p.addr, stride, off, w
-    ctx.launch(_kernel(JoinKey, RW > CW), n_chunks, 2 * A * RW, table.addr, out.addr, A, RW,
-               len(rows), CW, per)
+def join(ctx, plan, pieces) -> RawTensor:
+    """The new tensor `plan` (from join_plan) makes of `pieces` (RawTensors of its layouts).
+    A few pieces pass their table in the argument block, more fill a table buffer."""
+    lay, addr, n_chunks, cost, grid, fixed, table = plan
+    pool = ctx.pool
+    out = RawTensor(pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+    team = ctx.team_for(n_chunks, cost)
+    if table is None:
+        _rt.launch(team, addr, n_chunks, cost, out.addr, *grid, 0, *[p.addr for p in pieces], *fixed)
+    else:
+        buf = pool.alloc(table.size, False)
+        table.pack_into(buf, 0, *[p.addr for p in pieces], *fixed)
+        _rt.launch(team, addr, n_chunks, cost, out.addr, *grid, buf.addr)
+    return out
 
 
 def reversed_view(r: RawTensor, axis: int) -> RawTensor:
