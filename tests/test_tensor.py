@@ -22,6 +22,13 @@ def test_constructors_and_attributes(ctx):
     for dt, want in [("f16", np.float16), ("bf16", np.float32), ("i64", np.int64), ("bool", np.bool_)]:
         t = ctx.full((3,), 1, ("n",), dtype=dt)
         assert t.dtype == dt and t.numpy().dtype == want and t.numpy().tolist() == [1, 1, 1]
+    # the fill-value cache tells values apart exactly: -0.0 after 0.0, a big int after its float
+    assert np.signbit(ctx.full((2,), 0.0, ("n",)).numpy()).tolist() == [False, False]
+    assert np.signbit(ctx.full((2,), -0.0, ("n",)).numpy()).tolist() == [True, True]
+    big = 2**60 + 1
+    assert ctx.full((1,), float(big), ("n",), dtype="i64").numpy().tolist() == [2**60]
+    assert ctx.full((1,), big, ("n",), dtype="i64").numpy().tolist() == [big]
+    assert np.isnan(ctx.full((1,), float("nan"), ("n",)).numpy()).all()
 
 
 def test_data_access(ctx):

@@ -5,6 +5,7 @@ Two contexts share nothing. A context that only ever runs small ops never starts
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 
 import numpy as np
@@ -115,7 +116,8 @@ class Context:
         from . import elementwise as ew
 
         shape = tuple(shape)
-        key = (dtype, float(value))
+        # exact: -0.0 is not 0.0, a NaN finds itself, a big int is not its nearest float
+        key = (dtype, value if isinstance(value, int) else struct.pack("<d", float(value)))
         one = self._constants.get(key)
         if one is None:  # a 1-element source per value, read through zero strides
             one = self._constants[key] = self.from_numpy([value], (1,), dtype, "full")
