@@ -331,6 +331,8 @@ def test_real_model(tmp_path, ctx):
     ref.decoder = decoders.ByteLevel()
     ref.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == tk.CONTROL])
+    ref.add_tokens([AddedToken(t, special=False, normalized=False)   # matched whole, like ours
+                    for t, ty in zip(tokens, types) if ty == tk.USER_DEFINED])
     for s in _strings(seed=2):
         ids = ours.encode_raw(s)
         assert ids == ref.encode(s, add_special_tokens=False).ids, repr(s)
