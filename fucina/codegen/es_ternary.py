@@ -45,7 +45,7 @@ from llvmlite import ir
 
 from . import irutil as u
 from .kernels import KernelKey, register
-from .rng import GAMMA, _while, at, ci
+from .rng import GAMMA, at, ci
 from .target import host
 
 BLOCK_ELEMS = 256
@@ -188,7 +188,7 @@ class EsTernaryVoteKey(KernelKey):
                 k = u.load(b, keys, b.load(h), "i64")
                 return b.and_(b.icmp_signed("!=", k, e), b.icmp_signed("!=", k, u.i64(-1)))
 
-            _while(b, busy, lambda: b.store(b.and_(b.add(b.load(h), u.i64(1)),
+            u.while_loop(b, busy, lambda: b.store(b.and_(b.add(b.load(h), u.i64(1)),
                                                    b.sub(cap, u.i64(1))), h), "probe")
             return b.load(h)
 
@@ -255,7 +255,7 @@ class EsTernaryVoteKey(KernelKey):
                 b.store(b.sub(b.load(rank), in_bin(d)), rank)
                 b.store(b.add(d, u.i64(1)), sel)
 
-            _while(b, lambda: b.icmp_signed(">", b.load(rank), in_bin(b.load(sel))), skip, "scan")
+            u.while_loop(b, lambda: b.icmp_signed(">", b.load(rank), in_bin(b.load(sel))), skip, "scan")
             d = b.load(sel)
             whole = b.icmp_signed("==", in_bin(d), b.load(rank))
             chosen = b.or_(b.load(prefix), b.shl(wide(d), wide(shift)))
@@ -263,7 +263,7 @@ class EsTernaryVoteKey(KernelKey):
             b.store(b.select(whole, b.or_(chosen, ones), chosen), prefix)
             b.store(b.select(whole, u.i64(0), shift), left)
 
-        _while(b, lambda: b.icmp_signed(">", b.load(left), u.i64(0)), digit_pass, "digits")
+        u.while_loop(b, lambda: b.icmp_signed(">", b.load(left), u.i64(0)), digit_pass, "digits")
         # 4. one-bin moves of the selected elements toward sign(vote)
         kth = b.load(prefix)
         with b.if_then(b.icmp_signed(">", K, u.i64(0))):

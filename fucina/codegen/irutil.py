@@ -248,6 +248,22 @@ def store(b, v, base, index, dtype: str, mask=None, stream=False):
                   types=[v.type, PTR])
 
 
+def while_loop(b, cond, body, name="w"):
+    """while cond(): body() — cond and body build IR at the loop head and in the body; state
+    lives in entry-block slots (mem2reg lifts it)."""
+    fn = b.function
+    head = fn.append_basic_block(name + ".head")
+    blk = fn.append_basic_block(name + ".body")
+    done = fn.append_basic_block(name + ".exit")
+    b.branch(head)
+    b.position_at_end(head)
+    b.cbranch(cond(), blk, done)
+    b.position_at_end(blk)
+    body()
+    b.branch(head)
+    b.position_at_end(done)
+
+
 def entry_alloca(b, ty, name=""):
     """A stack slot in the entry block, where mem2reg promotes it to registers."""
     entry = b.function.entry_basic_block

@@ -349,21 +349,6 @@ def sin_cos_turn(b, ub):
 # loop scaffolding
 
 
-def _while(b, cond, body, name="w"):
-    """while cond(): body() — state lives in allocas (mem2reg lifts it)."""
-    fn = b.function
-    head = fn.append_basic_block(name + ".head")
-    blk = fn.append_basic_block(name + ".body")
-    done = fn.append_basic_block(name + ".exit")
-    b.branch(head)
-    b.position_at_end(head)
-    b.cbranch(cond(), blk, done)
-    b.position_at_end(blk)
-    body()
-    b.branch(head)
-    b.position_at_end(done)
-
-
 def _interleave(b, even, odd):
     """[e0, o0, e1, o1, ...] from two vectors of equal length."""
     n = even.type.count
@@ -595,7 +580,7 @@ class RandpermFillKey(KernelKey):
                 u.store(b, vk, out, j, "i64")
                 b.store(b.sub(k, u.i64(1)), kp)
 
-            _while(b, lambda: b.icmp_signed(">=", b.load(kp), u.i64(1)), body, "swap")
+            u.while_loop(b, lambda: b.icmp_signed(">=", b.load(kp), u.i64(1)), body, "swap")
         b.ret_void()
         return str(mod)
 
@@ -698,7 +683,7 @@ class MultinomialKey(KernelKey):
             b.store(b.select(above, lo, b.add(mid, u.i64(1))), lo_p)
             b.store(b.select(above, mid, hi), hi_p)
 
-        _while(b, lambda: b.icmp_signed("<", b.load(lo_p), b.load(hi_p)), search, "bs")
+        u.while_loop(b, lambda: b.icmp_signed("<", b.load(lo_p), b.load(hi_p)), search, "bs")
         b.store(u.smin(b, b.load(lo_p), b.sub(K, u.i64(1))), lo_p)
 
         def zero_here():
@@ -706,7 +691,7 @@ class MultinomialKey(KernelKey):
             wz = b.fcmp_ordered("==", u.load(b, wrow, p, self.dtype), u.const(u.F32, 0.0))
             return b.and_(b.icmp_signed(">", p, u.i64(0)), wz)
 
-        _while(b, zero_here, lambda: b.store(b.sub(b.load(lo_p), u.i64(1)), lo_p), "down")
+        u.while_loop(b, zero_here, lambda: b.store(b.sub(b.load(lo_p), u.i64(1)), lo_p), "down")
         u.store(b, b.load(lo_p), orow, s, "i64")
 
     def _draw_without(self, b, rem, K, uu, orow, s, status, r, total_p, pick_p, last_p, k_p):
@@ -735,7 +720,7 @@ class MultinomialKey(KernelKey):
                     b.store(k, pick_p)
             b.store(b.add(k, u.i64(1)), k_p)
 
-        _while(b, cond, body, "walk")
+        u.while_loop(b, cond, body, "walk")
         pick = b.load(pick_p)
         pick = b.select(b.icmp_signed("<", pick, u.i64(0)), b.load(last_p), pick)
         with b.if_else(b.icmp_signed("<", pick, u.i64(0))) as (none_left, ok):

@@ -87,21 +87,6 @@ def _bits(b, mask, W):
     return b.zext(b.bitcast(mask, ir.IntType(W)), u.I64)
 
 
-def _while(b, cond, body, name):
-    """while cond(): body() — cond and body build IR at the loop head and in the body."""
-    fn = b.function
-    head = fn.append_basic_block(name + ".head")
-    blk = fn.append_basic_block(name + ".body")
-    done = fn.append_basic_block(name + ".exit")
-    b.branch(head)
-    b.position_at_end(head)
-    b.cbranch(cond(), blk, done)
-    b.position_at_end(blk)
-    body()
-    b.branch(head)
-    b.position_at_end(done)
-
-
 def _var(b, ty, init):
     """A mutable local (an entry-block slot mem2reg turns into registers), set to init."""
     p = u.entry_alloca(b, ty)
@@ -161,7 +146,7 @@ class _Slots:
                 u.store(b, u.load(b, oi, above, "i64"), oi, s, "i64")
                 b.store(above, self.pos)
 
-            _while(b, cond, shift, "ins")
+            u.while_loop(b, cond, shift, "ins")
             s = b.load(self.pos)
             u.store(b, v, ov, s, "f32")
             u.store(b, idx, oi, s, "i64")
@@ -178,7 +163,7 @@ class _Slots:
             i = u.intrinsic(b, "llvm.cttz", u.I64, [m, ir.Constant(u.I1, 1)], types=[u.I64])
             self.insert(b.extract_element(v, i), b.add(base, i))
 
-        _while(b, lambda: b.icmp_unsigned("!=", b.load(bits), u.i64(0)), lane, "lane")
+        u.while_loop(b, lambda: b.icmp_unsigned("!=", b.load(bits), u.i64(0)), lane, "lane")
 
 
 def _topk_row(b, slots: _Slots, xb, N, dt: str, W: int):
@@ -284,7 +269,7 @@ def _argmax_row(b, xb, N, dt, W):
             return b.and_(b.icmp_signed("<", at, N),
                           b.fcmp_unordered("!=", u.load(b, xb, safe, dt), u.const(u.F32, NEG_INF)))
 
-        _while(b, cond, lambda: b.store(b.add(b.load(j), u.i64(1)), j), "ninf")
+        u.while_loop(b, cond, lambda: b.store(b.add(b.load(j), u.i64(1)), j), "ninf")
         at = b.load(j)
         b.store(b.select(b.icmp_signed("<", at, N), at, u.i64(0)), best)
     return b.load(best)
@@ -386,7 +371,7 @@ def _topk(key, b, args, c0, c1):
                     b.store(_any(b, beats, W), go)
                     b.store(b.sub(s, u.i64(1)), s_p)
 
-                _while(b, cond, body, "vins")
+                u.while_loop(b, cond, body, "vins")
         obase = b.add(b.mul(a, b.mul(k, B)), b0)
         with u.Loop(b, u.i64(0), k, 1, "out") as s:
             o = b.add(obase, b.mul(s, B))
@@ -531,7 +516,7 @@ def _insertion_sort(b, K, I, N, j_p):
             b.store(_ld32(b, I, above), _u32(b, I, j))
             b.store(above, j_p)
 
-        _while(b, cond, shift, "sh")
+        u.while_loop(b, cond, shift, "sh")
         j = b.load(j_p)
         b.store(kv, _u32(b, K, j))
         b.store(iv, _u32(b, I, j))
@@ -661,7 +646,7 @@ def _blocked(b, start, stop, sizes, body):
             body(at, n)
             b.store(b.add(at, u.i64(n)), pos)
 
-        _while(b, lambda n=n: b.icmp_signed("<=", b.add(b.load(pos), u.i64(n)), stop), step, f"blk{n}")
+        u.while_loop(b, lambda n=n: b.icmp_signed("<=", b.add(b.load(pos), u.i64(n)), stop), step, f"blk{n}")
 
 
 def _group(b, groups, g):
