@@ -1,4 +1,6 @@
 """Shared fixtures: contexts at 1 and 2 threads, and numpy helpers for bitwise comparisons."""
+import io
+
 import numpy as np
 import pytest
 
@@ -49,3 +51,29 @@ def ulp_diff(got, want64) -> np.ndarray:
     want32 = want64.astype(np.float32)
     spacing = np.spacing(np.abs(want32)).astype(np.float64)
     return np.abs(got.astype(np.float64) - want64) / spacing
+
+
+# ---- optimizer test helpers (shared by the test_optim_* modules) ----
+
+def bf16_round(a) -> np.ndarray:
+    """f32 values rounded to bf16 (R-9) and widened back."""
+    from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+
+    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, np.float32)))
+
+
+def feed_grad(ctx, w, g):
+    """Set w's accumulated gradient to exactly g (a fresh leaf gradient, like one backward)."""
+    w.zero_grad()
+    w.backward(grad=ctx.tensor(np.asarray(g, np.float32).reshape(w.shape), w.tags))
+
+
+def state_bytes(opt) -> bytes:
+    """The optimizer's save_state frame as bytes."""
+    f = io.BytesIO()
+    opt.save_state(f)
+    return f.getvalue()
+
+
+def load_state_bytes(opt, data: bytes):
+    opt.load_state(io.BytesIO(data))

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import fucina as fu
-from conftest import assert_bitwise
+from conftest import assert_bitwise, bf16_round as bf16, feed_grad as feed
+from conftest import load_state_bytes as load, state_bytes as save
 from fucina.exec import optim_lowrank as xl
-from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from fucina.exec.matmul import gemm
 from fucina.optim import AdamW, OptimizerSet
 from fucina.optim.apollo import Apollo, ApolloConfig
@@ -36,25 +36,6 @@ M64 = (1 << 64) - 1
 
 def f32(x) -> float:
     return float(F(x))
-
-
-def bf16(a) -> np.ndarray:
-    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, F)))
-
-
-def feed(ctx, w, g):
-    w.zero_grad()
-    w.backward(grad=ctx.tensor(np.asarray(g, F).reshape(w.shape), w.tags))
-
-
-def save(opt) -> bytes:
-    f = io.BytesIO()
-    opt.save_state(f)
-    return f.getvalue()
-
-
-def load(opt, data: bytes):
-    opt.load_state(io.BytesIO(data))
 
 
 def projection(ctx, seed, chunk, shape, rank) -> np.ndarray:

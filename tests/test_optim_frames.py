@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import fucina as fu
-from conftest import assert_bitwise
+from conftest import assert_bitwise, feed_grad as feed
+from conftest import load_state_bytes as load, state_bytes as save
 from fucina.exec.dtypes import f32_to_bf16_bits
 from test_optim_update import narrow, ref_adam, ref_sgd
 
@@ -42,21 +43,6 @@ def buf(a, dtype, version) -> bytes:
     """A state-buffer record: v3 raw f32; v4/v5 u8 tag + raw storage."""
     tag = b"" if version == 3 else bytes((0 if dtype == "f32" else 1,))
     return tag + state_bytes(a, dtype)
-
-
-def save(opt) -> bytes:
-    f = io.BytesIO()
-    opt.save_state(f)
-    return f.getvalue()
-
-
-def load(opt, data: bytes):
-    opt.load_state(io.BytesIO(data))
-
-
-def feed(ctx, w, g):
-    w.zero_grad()
-    w.backward(grad=ctx.tensor(g, w.tags))
 
 
 G1 = np.array([[0.5, -1.25, 2.0], [0.125, 3.0, -0.75]], F)

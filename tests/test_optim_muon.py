@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import fucina as fu
-from conftest import assert_bitwise
-from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from conftest import assert_bitwise, bf16_round as bf16, feed_grad as feed
+from conftest import load_state_bytes as load, state_bytes as save
+from fucina.exec.dtypes import f32_to_bf16_bits
 from fucina.exec.matmul import gemm
 from fucina.exec.optim_lowrank import newton_schulz5 as ns_raw
 from fucina.optim import AdamW, AdamWConfig, OptimizerSet, StateDType
@@ -32,10 +33,6 @@ NS_A, NS_B, NS_C = F(3.4445), F(-4.7750), F(2.0315)
 
 def f32(x) -> float:
     return float(F(x))
-
-
-def bf16(a) -> np.ndarray:
-    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, F)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,22 +128,6 @@ class RefMuon:
         self.v[k] = c.beta2 * self.v[k] + (1 - c.beta2) * g * g
         den = np.sqrt(self.v[k]) / math.sqrt(1 - c.beta2 ** t) + c.eps
         self.p[k] = self.p[k] - c.lr / (1 - c.beta1 ** t) * self.m[k] / den
-
-
-def feed(ctx, w, g):
-    """Set w's accumulated gradient to exactly g."""
-    w.zero_grad()
-    w.backward(grad=ctx.tensor(np.asarray(g, F).reshape(w.shape), w.tags))
-
-
-def save(opt) -> bytes:
-    f = io.BytesIO()
-    opt.save_state(f)
-    return f.getvalue()
-
-
-def load(opt, data: bytes):
-    opt.load_state(io.BytesIO(data))
 
 
 # ---------------------------------------------------------------------------------------------

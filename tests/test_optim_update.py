@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fucina as fu
-from conftest import assert_bitwise
+from conftest import assert_bitwise, feed_grad as feed
 from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from tools import make_optim_goldens as G
 
@@ -96,12 +96,6 @@ def reference(kind, p0, grads, hp, state="f32", second="f32"):
 
 def make(kind, hp, **extra):
     return getattr(fu.optim, kind)(**hp, **extra)
-
-
-def feed(ctx, w, g):
-    """Set w's accumulated gradient to g (a fresh leaf gradient, like one backward)."""
-    w.zero_grad()
-    w.backward(grad=ctx.tensor(g, w.tags))
 
 
 def run(ctx, kind, hp, p0, grads, dtype="f32", **extra):

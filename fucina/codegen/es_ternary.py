@@ -46,6 +46,7 @@ from llvmlite import ir
 from . import irutil as u
 from .kernels import KernelKey, register
 from .rng import GAMMA, at, ci
+from .rows import map_pass
 from .target import host
 
 BLOCK_ELEMS = 256
@@ -127,13 +128,7 @@ class EsTernaryFlipsKey(KernelKey):
                 u.store(b, index, idx, b.add(out, i), "i64", mask)
                 u.store(b, b.fmul(coeff, delta), val, b.add(out, i), "f32", mask)
 
-            count = b.sub(i1, i0)
-            full = b.add(i0, b.sub(count, b.srem(count, u.i64(L))))
-            with u.Loop(b, i0, full, L, "i") as i:
-                body(i, None)
-            rest = b.sub(i1, full)
-            with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-                body(full, u.tail_mask(b, rest, L))
+            map_pass(b, i0, i1, L, body)
         b.ret_void()
         return str(mod)
 

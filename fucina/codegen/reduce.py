@@ -31,6 +31,7 @@ from llvmlite import ir
 from . import irutil as u
 from .emit import lane_tree, nan_max, nan_min
 from .kernels import KernelKey, register
+from .rows import chunk_pass
 from .target import host
 
 UNROLL = 4
@@ -308,8 +309,6 @@ def _build_finish(key: FinishKey, symbol: str) -> ir.Module:
     out, v, cnt = (u.arg_ptr(b, args, i) for i in range(3))
     p = u.arg(b, args, 3) if key.vdtype == "i64" else u.arg_f32(b, args, 3)
     M, chunk = u.arg(b, args, 4), u.arg(b, args, 5)
-    e0 = b.mul(c0, chunk)
-    e1 = u.smin(b, b.mul(c1, chunk), M)
     ft = ir.VectorType(u.F32, W)
 
     def body(i, tmask=None):
@@ -323,13 +322,7 @@ def _build_finish(key: FinishKey, symbol: str) -> ir.Module:
             r = b.select(b.icmp_signed("==", c, u.const(c.type, 0)), u.splat(b, p, W), val)
         u.store(b, r, out, i, key.vdtype if key.mode == "fill" else "f32", tmask)
 
-    length = b.sub(e1, e0)
-    full = b.add(e0, b.sub(length, b.srem(length, u.i64(W))))
-    with u.Loop(b, e0, full, W, "i") as i:
-        body(i)
-    rest = b.sub(e1, full)
-    with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-        body(full, u.tail_mask(b, rest, W))
+    chunk_pass(b, c0, c1, M, chunk, W, body)
     b.ret_void()
     return mod
 
