@@ -17,7 +17,7 @@ tour: $(STAMP)
 	$(PY) -m examples.tour
 
 finetune: $(STAMP)
-	$(PY) -m examples.finetune
+	$(PY) -m fucina finetune
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x tests

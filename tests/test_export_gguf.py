@@ -14,7 +14,7 @@ import safetensors.numpy
 from gguf import GGMLQuantizationType as GT
 
 import fucina as fu
-from tools import export_gguf as ex
+from fucina.cli import export as ex
 
 RNG = np.random.default_rng(31)
 

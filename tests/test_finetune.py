@@ -1,5 +1,5 @@
 """The finetune demo (SPEC D-3) and its export loop (D-5), end to end on the tiny random
-Qwen3-shaped model of examples/_tiny_model.py: the tiny vocabulary is a real byte-level BPE
+Qwen3-shaped model of fucina/cli/tiny_model.py: the tiny vocabulary is a real byte-level BPE
 (checked against the `tokenizers` library), a short run learns, gradient accumulation is the
 exact token-weighted sum form, a resumed run (in-process and in a fresh process) reproduces the
 uninterrupted run's files bit for bit, the checkpoint directories and their trainer_state,
@@ -16,8 +16,8 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
 
 import fucina as fu
-from examples import finetune as ft
-from examples._tiny_model import CORPUS, SPECIAL, build_tiny_model
+from fucina.cli import finetune as ft
+from fucina.cli.tiny_model import CORPUS, SPECIAL, build_tiny_model
 from fucina.io import ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
 from fucina.llm import IGNORE_INDEX, Sample, Template, Tokenizer, detect
 from fucina.llm import tokenizer as tk
@@ -213,7 +213,7 @@ def test_resume_in_a_fresh_process(tiny, tmp_path):
     common = ["--model", str(tiny), "--steps", "4", "--lr", "0.01", "--no-sample", "--threads",
               "1", "--shuffle", "--accum-steps", "2"]
     assert ft.main(common + ["--save", str(a), "--save-every", "2"]) == 0
-    proc = subprocess.run([sys.executable, "-m", "examples.finetune", *common, "--save", str(b),
+    proc = subprocess.run([sys.executable, "-m", "fucina", "finetune", *common, "--save", str(b),
                            "--load", str(a / "checkpoint-step-2")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

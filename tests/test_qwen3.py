@@ -713,7 +713,7 @@ def test_trained_adapters_merge_into_the_gguf(ctx1, files, tmp_path, dtype, atol
     """SPEC T-23 closes the loop: tools.export_gguf merges the saved adapters (names
     layers.<l>.<target>.lora_a/b) into the file; the merged plain model computes the trainer's
     logits (up to the rounding of the merged weights to the file's dtype)."""
-    from tools import export_gguf
+    from fucina.cli import export as export_gguf
 
     path = files[dtype][0]
     tr = make_trainer(ctx1, path, rank=4, alpha=8.0)
