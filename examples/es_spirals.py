@@ -16,7 +16,12 @@ the same bits for any thread count, so the choice changes the speed, never the t
     python -m examples.es_spirals --full   # SPEC D-2: population 128, alpha 0.1, 15000 iterations
     python -m examples.es_spirals --iterations N --population N --sigma F --alpha F --workers N
         --norm z_score|centered_ranks --seed N --target F --mode auto|team|threads --block N
-        --save DIR --load DIR
+        --save DIR --load DIR --ray local|auto|ADDRESS --actors N
+
+`--ray` scores the members on `--actors` Ray actors instead (fucina.dist.EsCluster): each actor
+builds the same model and trainer, holds its own θ and a stack of replicas, and gets only
+member tasks; the rewards are broadcast after each update. The saved model.safetensors is
+byte-identical with and without --ray.
 
 Both reach 100 % training accuracy; the run fails (exit status 1, FromScratchTrainingFailed)
 unless the final accuracy reaches --target (default 0.90). Progress every 500 iterations.
@@ -168,6 +173,52 @@ def choose_workers(trainer, xs, labels, mode: str, workers: int, block: int, log
     return setups[best](), best
 
 
+class RayReplica:
+    """Builds one Ray actor's replica (fucina.dist.Replica): the driver's model and trainer
+    (θ is then set from the driver's checkpoint) and a 1-thread Stack of `block` replicas."""
+
+    def __init__(self, xs, labels, seed, sigma, alpha, population, norm, block):
+        self.args = (xs, labels, seed, sigma, alpha, population, norm, block)
+
+    def __call__(self):
+        from fucina import dist
+        xs, labels, seed, sigma, alpha, population, norm, block = self.args
+        ctx = fu.ExecContext(threads=1)
+        model = Model(ctx, xs, labels, seed)
+        trainer = es.Trainer(sigma=sigma, alpha=alpha, population=population,
+                             antithetic=population % 2 == 0, reward_norm=norm, seed=seed)
+        registry = register(model, trainer)
+        stack = Stack(ctx, xs, labels, block)
+
+        def score(members: range):
+            dst = stack.stacked
+            if len(members) < block:
+                dst = [t.narrow("member", 0, len(members)) for t in dst]
+            trainer.materialize_members(members, dst)
+            return [-float(ce) for ce in stack.ce()[:len(members)]]
+
+        replica = dist.Replica(trainer, registry, score)
+        replica.model = model          # keeps θ's tensors alive with the actor
+        return replica
+
+
+class RayPool:
+    """The `evaluate(rewards)` / `close()` of Workers, on a fucina.dist.EsCluster."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def evaluate(self, rewards):
+        return self.cluster.evaluate(rewards=rewards)
+
+    def update(self, trainer, rewards):
+        self.cluster.update(trainer, rewards)
+
+    def close(self):
+        self.cluster.verify()
+        self.cluster.close()
+
+
 def register(model, trainer) -> ParamRegistry:
     """ES registration in SPEC D-2's order, and the same names in a ParamRegistry (the
     checkpoint's model.safetensors schema)."""
@@ -180,10 +231,11 @@ def register(model, trainer) -> ParamRegistry:
 
 def run(iterations=SHORT["iterations"], population=SHORT["population"], sigma=0.1,
         alpha=SHORT["alpha"], workers=4, norm="z_score", seed=42, target=SHORT["target"],
-        mode="auto", block=None, save=None, load=None, log=print) -> dict:
+        mode="auto", block=None, save=None, load=None, ray=None, actors=2, log=print) -> dict:
     """Train; returns {accuracy, ce, iterations, seconds, mode}. FromScratchTrainingFailed when
     the final accuracy is below target. block: members per batched forward (default: the
-    population split evenly over the workers)."""
+    population split evenly over the workers). ray: score members on `actors` Ray actors
+    ("local", "auto" or a cluster address; see RayReplica)."""
     xs, labels = make_spirals(seed)
     ctx = fu.ExecContext()
     try:
@@ -200,8 +252,17 @@ def run(iterations=SHORT["iterations"], population=SHORT["population"], sigma=0.
             f"{' (antithetic)' if cfg.antithetic else ''}, sigma {float(np.float32(cfg.sigma)):.4g}, "
             f"alpha {trainer.alpha_value():.4g}, {norm}")
         log(f"before: accuracy {model.accuracy():.3f} (chance 0.500)  ce {model.ce():.4f}")
-        block = -(-population // workers) if block is None else min(block, population)
-        pool, chosen = choose_workers(trainer, xs, labels, mode, workers, block, log)
+        if ray is not None:
+            from fucina import dist
+            block = -(-population // (2 * actors)) if block is None else min(block, population)
+            builder = RayReplica(xs, labels, seed, float(cfg.sigma), cfg.alpha, population,
+                                 norm, block)
+            pool = RayPool(dist.EsCluster(builder, trainer, registry, actors=actors, ray=ray,
+                                          block=block))
+            chosen = f"ray {ray}, {actors} actors"
+        else:
+            block = -(-population // workers) if block is None else min(block, population)
+            pool, chosen = choose_workers(trainer, xs, labels, mode, workers, block, log)
         rewards = [0.0] * population
         start = last = trainer.iteration
         t0 = tlast = time.perf_counter()
@@ -209,6 +270,8 @@ def run(iterations=SHORT["iterations"], population=SHORT["population"], sigma=0.
             for it in range(start + 1, start + iterations + 1):
                 pool.evaluate(rewards)
                 trainer.update(rewards)
+                if ray is not None:
+                    pool.update(trainer, rewards)
                 if it % 500 == 0:
                     now = time.perf_counter()
                     log(f"iter {it:>6}  accuracy {model.accuracy():.3f}  ce {model.ce():.4f}  "
@@ -253,14 +316,20 @@ def main(argv=None) -> int:
                    "(default: population / workers)")
     p.add_argument("--save")
     p.add_argument("--load")
+    p.add_argument("--ray", metavar="local|auto|ADDRESS",
+                   help="score members on Ray actors: a private local cluster, the cluster this "
+                   "machine joined, or a cluster address")
+    p.add_argument("--actors", type=int, default=2, help="Ray actors (default 2)")
     a = p.parse_args(argv)
     opts = dict(FULL if a.full else SHORT)
     opts.update({k: getattr(a, k) for k in opts if getattr(a, k) is not None})
-    if a.workers < 1 or opts["population"] < 2 or (a.block is not None and a.block < 1):
-        p.error("--workers and --block must be >= 1 and --population >= 2")
+    if a.workers < 1 or a.actors < 1 or opts["population"] < 2 or (a.block is not None
+                                                                     and a.block < 1):
+        p.error("--workers, --actors and --block must be >= 1 and --population >= 2")
     try:
         run(**opts, sigma=a.sigma, workers=a.workers, norm=a.norm, seed=a.seed, mode=a.mode,
-            block=a.block, save=a.save, load=a.load, log=lambda s: print(s, flush=True))
+            block=a.block, save=a.save, load=a.load, ray=a.ray, actors=a.actors,
+            log=lambda s: print(s, flush=True))
     except FromScratchTrainingFailed as e:
         print(f"FAIL: {e}", flush=True)
         return 1

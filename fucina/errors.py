@@ -141,6 +141,14 @@ class UnsupportedModel(LlmError, ValueError):
     hyperparameters). Not in the SPEC catalogue: the reference reports these as load errors."""
 
 
+class DistError(FucinaError):
+    """Running past one process (fucina.dist on Ray)."""
+
+
+globals().update(_family(DistError, [
+    "RayUnavailable", "ReplicaOutOfSync", "WorkersLost"], "Distributed-run error."))
+
+
 class UnsupportedTokenizer(LlmError, ValueError):
     """The GGUF tokenizer is not one fucina.llm implements, or its metadata is inconsistent.
     Not in the SPEC catalogue: the reference reports these as untyped load errors."""
