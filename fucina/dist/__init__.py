@@ -9,6 +9,7 @@ byte-identical to the single-process run.
 Ray is an optional extra (`pip install fucina[dist]`); it is imported on first use.
 """
 from .es import EsCluster, Replica
+from .finetune import GradCluster
 from .ray import connect
 
-__all__ = ["EsCluster", "Replica", "connect"]
+__all__ = ["EsCluster", "Replica", "GradCluster", "connect"]

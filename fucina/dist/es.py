@@ -38,6 +38,7 @@ import io as _io
 import numbers
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 from .. import es as _es
@@ -47,7 +48,7 @@ from .ray import connect
 __all__ = ["EsCluster", "Replica", "RESNAPSHOT_AFTER"]
 
 RESNAPSHOT_AFTER = 256   # updates replayed on a restore before the driver refreshes its snapshot
-RESTORE_TRIES = 3
+RESTORE_TRIES = 6     # restore attempts, 0.2 s apart and doubling
 
 
 @dataclass
@@ -164,11 +165,12 @@ class EsCluster:
         """Bring actor i to the driver's θ (it may be restarting: the call waits for it)."""
         ray = self._ray
         err = None
-        for _ in range(RESTORE_TRIES):
+        for attempt in range(RESTORE_TRIES):
             try:
                 it = ray.get(self.actors[i].restore.remote(self._snap_ref, list(self._history)))
-            except ray.exceptions.RayActorError as e:   # died again while restoring
+            except ray.exceptions.RayActorError as e:   # still restarting: wait, then again
                 err = e
+                time.sleep(0.2 * 2 ** attempt)
                 continue
             if it != self.trainer.iteration:
                 raise ReplicaOutOfSync(f"fucina.dist.EsCluster: actor {i} restored to iteration "
