@@ -3,6 +3,7 @@
     fucina finetune ...      LoRA fine-tuning of a GGUF model (fucina/cli/finetune.py)
     fucina export ...        merge adapters into a GGUF and/or transcode it (export.py)
     fucina prewarm ...       compile the kernels of a workload ahead of time (prewarm.py)
+    fucina es-finetune ...   gradient-free fine-tuning by evolution strategies (es_finetune.py)
 
 `python -m fucina ...` is the same command. Each subcommand's module has a `main(argv)` that
 returns the exit status; the module is imported only when its subcommand runs, so `fucina
@@ -18,6 +19,7 @@ COMMANDS = {
     "finetune": ("finetune", "LoRA fine-tuning of a GGUF model on a JSONL data set"),
     "export": ("export", "merge LoRA adapters into a GGUF and/or transcode its weights"),
     "prewarm": ("prewarm", "compile the kernels of a workload ahead of time"),
+    "es-finetune": ("es_finetune", "gradient-free fine-tuning by evolution strategies (also on Ray)"),
 }
 
 

@@ -55,7 +55,8 @@ RESTORE_TRIES = 6     # restore attempts, 0.2 s apart and doubling
 class Replica:
     """What the replica builder returns inside an actor: the trainer holding this actor's θ,
     the ParamRegistry naming θ (the checkpoint schema; `adapters` = the LoRA file name), and
-    score(members: range) -> one float reward per member."""
+    score(members: range[, payload]) -> one float reward per member (payload: what the driver
+    passed to EsCluster.evaluate, when it passed one)."""
 
     trainer: object
     registry: object
@@ -96,9 +97,12 @@ class _EsActor:
             raise ReplicaOutOfSync(f"{where}: this actor is at seed {tr.config.seed} iteration "
                                    f"{tr.iteration}; expected seed {seed} iteration {iteration}")
 
-    def score(self, seed: int, iteration: int, start: int, stop: int) -> list:
+    def score(self, seed: int, iteration: int, start: int, stop: int, payload=None) -> list:
         self._in_sync(seed, iteration, "fucina.dist.EsCluster.score")
-        got = [float(r) for r in self.replica.score(range(start, stop))]
+        members = range(start, stop)
+        got = self.replica.score(members) if payload is None else self.replica.score(members,
+                                                                                   payload)
+        got = [float(r) for r in got]
         if len(got) != stop - start:
             raise RewardCountMismatch(f"fucina.dist.EsCluster.score: members {start}..{stop - 1}: "
                                       f"expected {stop - start} rewards, got {len(got)}")
@@ -185,9 +189,11 @@ class EsCluster:
         return cause if isinstance(cause, Exception) else None
 
     # ---- evaluation ----
-    def evaluate(self, trainer=None, rewards=None) -> list:
+    def evaluate(self, trainer=None, rewards=None, payload=None) -> list:
         """One reward per member of the trainer's current iteration, scored on the actors;
-        written into `rewards` (a list of population floats) when given, and returned."""
+        written into `rewards` (a list of population floats) when given, and returned.
+        `payload` (picklable, e.g. the iteration's batch) is passed on to every score call:
+        score(members, payload)."""
         tr = self.trainer if trainer is None else trainer
         if tr is not self.trainer:
             raise InvalidConfig("fucina.dist.EsCluster.evaluate: expected the trainer the cluster "
@@ -207,7 +213,7 @@ class EsCluster:
         while pending or (queue and error is None):
             while queue and idle and error is None:
                 i, unit = idle.popleft(), queue.popleft()
-                ref = self.actors[i].score.remote(seed, iteration, unit.start, unit.stop)
+                ref = self.actors[i].score.remote(seed, iteration, unit.start, unit.stop, payload)
                 pending[ref] = (i, unit)
             if not pending:
                 break
