@@ -8,8 +8,9 @@ Shapes: one Qwen3-0.6B transformer block (7 matrices, 15.7 M parameters: q 2048�
 them across calls). PyTorch runs `fused=True` (its fastest CPU path) and, for the block,
 `foreach=True`.
 
-Targets (issue 7): AdamW and SGD-momentum with f32 state at least as fast as torch fused; with
-bf16 state (AdamW: m and v) at least 1.5x torch fused (torch keeps f32 state). These are pure
+Targets: AdamW and SGD-momentum with f32 state at least as fast as torch fused (issue 7); with
+bf16 state (AdamW: m and v) at least 95 % of the traffic bound against torch fused (issue 18:
+issue 7's 1.5x was above physics; torch keeps f32 state). These are pure
 bandwidth kernels, so each row's note gives the memory-traffic floor: bytes moved per parameter
 (AdamW f32: read p g m v, write p m v = 28 B; bf16 state: 20 B; SGD-momentum f32: read p g buf,
 write p buf = 20 B; bf16 buffer: 16 B) over the best STREAM-scale bandwidth of the run at that
@@ -29,12 +30,21 @@ EMBED = [("embed", (151936, 1024))]
 GROUP = "optimizer step"
 TORCH_BYTES = {"AdamW": 28, "SGD": 20}  # torch keeps f32 state
 
+BOUND_SHARE = 0.95   # bf16 state: judged against this share of the traffic bound
+
+
+def bound_target(kind: str, per_param: int) -> float:
+    """95 % of the speed-up a loop moving per_param bytes can have over torch's f32 state at
+    equal bandwidth: 0.95 x 28/20 = 1.33x (AdamW), 0.95 x 20/16 = 1.19x (SGD)."""
+    return BOUND_SHARE * TORCH_BYTES[kind] / per_param
+
+
 # kind, fucina options, bytes per parameter, target ratio vs torch fused
 VARIANTS = [
     ("AdamW", {}, 28, 1.0),
-    ("AdamW", {"state_dtype": "bf16", "second_moment_dtype": "bf16"}, 20, 1.5),
+    ("AdamW", {"state_dtype": "bf16", "second_moment_dtype": "bf16"}, 20, bound_target("AdamW", 20)),
     ("SGD", {}, 20, 1.0),
-    ("SGD", {"state_dtype": "bf16"}, 16, 1.5),
+    ("SGD", {"state_dtype": "bf16"}, 16, bound_target("SGD", 16)),
 ]
 
 
@@ -86,7 +96,8 @@ def _one(label, shapes, kind, options, per_param, target, threads, quick, torch_
                    + (f" vs torch {mode}=True" if mode else "")
             out.append(C.vs_torch(
                 GROUP, what, threads, tm["fucina"], tm[mode] if mode else None, load,
-                target=f"≥ {tgt:g}× PyTorch" if mode else "", at_least=tgt,
+                target=(f"≥ {tgt:.3g}× PyTorch (95 % of the traffic bound)" if tgt != 1.0
+                        else "≥ 1× PyTorch") if mode else "", at_least=tgt,
                 note=f"memory-traffic floor {floor * 1e3:.2f} ms ({per_param} B/param at "
                      f"{bw / 1e9:.0f} GB/s, STREAM scale); speed vs the floor: Fucina "
                      f"median {floor / f:.0%}, best block {floor / tm['fucina'].best:.0%}"
