@@ -1,0 +1,120 @@
+"""A full GPT train step against a PyTorch twin (issue 18).
+
+    python -m benchmarks.bench_gpt [--quick]
+
+The model of examples/gpt.py: 6 layers, d 512, 8 heads x 64, SwiGLU 1536, vocab 16384, seq 1024,
+RMSNorm (eps 1e-5, no weight), half-split RoPE (θ 1e4), causal attention, an untied head with
+the cross-entropy fused into its projection (Fucina: `linear_cross_entropy`; PyTorch: linear +
+cross_entropy, the usual eager form), AdamW (lr 3e-4, β 0.9/0.95, no decay; PyTorch
+`fused=True`). Both start from the same float32 weights and see the same tokens at every step;
+a step is forward + backward + optimizer step + zero_grad. Both sides' losses are compared step
+by step (first step: same weights, so equal to f32 rounding), and the step time is interleaved
+(Fucina step, PyTorch step, ...), medians. The GFLOP/s column-note counts 6·N·tokens for the
+matrices plus causal attention, and sets it against our own f32 GEMM rate measured in the same
+process (1024³ `matmul`).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import common as c
+from .common import row
+
+GROUP = "gpt train step"
+
+
+def _flops(cfg) -> float:
+    per_layer = 4 * cfg.d * cfg.attn + 3 * cfg.d * cfg.ffn
+    dense = 6 * (cfg.layers * per_layer + cfg.vocab * cfg.d) * cfg.seq
+    attn = cfg.layers * 3 * 2 * cfg.seq * cfg.seq * cfg.attn     # causal: half of 2 GEMMs, x3
+    return float(dense + attn)
+
+
+def _gemm_rate(threads: int) -> float:
+    import fucina as fu
+    ctx = fu.ExecContext(threads=threads)
+    rng = np.random.default_rng(0)
+    a = ctx.tensor(rng.standard_normal((1024, 1024), dtype=np.float32), ("m", "k"))
+    b = ctx.tensor(rng.standard_normal((1024, 1024), dtype=np.float32), ("n", "k"))
+    t = c.interleaved({"mm": lambda: a.dot(b, "k")}, repeats=5, block_s=0.2)
+    ctx.close()
+    return 2 * 1024 ** 3 / t["mm"].median
+
+
+def _one(threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
+    from examples.gpt import Gpt, GptConfig, init_weights, torch_twin
+    torch = c.torch()
+    cfg = GptConfig()
+    steps = 3 if quick else 7
+    weights = init_weights(cfg, seed=0)
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, cfg.vocab, cfg.seq + 1) for _ in range(steps + 1)]
+    ctx = fu.ExecContext(threads=threads)
+    model = Gpt(ctx, cfg, weights)
+    opt = fu.optim.AdamW(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.0)
+    for name, t in model.params.items():
+        opt.add_param(t, name=name)
+    fu_losses, to_losses, fu_t, to_t = [], [], [], []
+
+    def fu_step(tokens):
+        with ctx.exec_scope():
+            loss = model.loss(tokens[:-1], tokens[1:])
+            loss.backward()
+            value = loss.item()
+        opt.step()
+        opt.zero_grad()
+        return value
+
+    tw = None
+    if torch is not None:
+        with c.torch_threads(threads):
+            W, tloss, topt = torch_twin(torch, cfg, weights, model.table.cos(),
+                                       model.table.sin())
+
+        def to_step(tokens):
+            t = torch.from_numpy(tokens)
+            loss = tloss(t[:-1], t[1:])
+            loss.backward()
+            topt.step()
+            topt.zero_grad(set_to_none=True)
+            return loss.item()
+        tw = to_step
+    for i, tokens in enumerate(batches):           # step 0 warms both up (kernels, pools)
+        t0 = time.perf_counter()
+        fu_losses.append(fu_step(tokens))
+        t1 = time.perf_counter()
+        if tw is not None:
+            with c.torch_threads(threads):
+                to_losses.append(tw(tokens))
+        t2 = time.perf_counter()
+        if i:
+            fu_t.append(t1 - t0)
+            to_t.append(t2 - t1)
+    ctx.close()
+    fu_s = float(np.median(fu_t))
+    to_s = float(np.median(to_t)) if to_t else None
+    rate = _flops(cfg) / fu_s
+    peak = _gemm_rate(threads)
+    dev = max(abs(a - b) / abs(b) for a, b in zip(fu_losses, to_losses)) if to_losses else None
+    note = (f"{steps} timed steps after one warm-up, medians; {rate / 1e9:.0f} GFLOP/s for the step "
+            f"= {rate / peak:.0%} of our 1024³ f32 GEMM rate ({peak / 1e9:.0f} GFLOP/s, same "
+            f"process); losses {fu_losses[0]:.6f} → {fu_losses[-1]:.6f}"
+            + (f", max relative deviation from torch over the steps {dev:.1e}" if dev is not None
+               else ""))
+    return [row(GROUP, f"GPT 6 x d512, seq {cfg.seq}, vocab {cfg.vocab}: forward + backward + "
+                f"AdamW (torch: eager + fused AdamW)", threads, fu_s, to_s,
+                target="≥ 1.5× PyTorch" if to_s else "", met=(to_s / fu_s >= 1.5) if to_s else None,
+                note=note)]
+
+
+def rows(quick: bool = False) -> list[dict]:
+    return c.each_thread_count(quick, (GROUP, "gpt step", _one))
+
+
+if __name__ == "__main__":
+    import sys
+    for r in rows("--quick" in sys.argv):
+        print(r)
