@@ -68,30 +68,42 @@ def init_weights(cfg: GptConfig, seed: int = 0) -> dict:
 
 
 class Gpt:
-    """The model over fucina variables (`params`: name -> Tensor, registration order)."""
+    """The model over fucina variables (`params`: name -> Tensor, registration order).
+    matrix_dtype "bf16" holds the block matrices as bf16 leaves (the optimizer keeps f32
+    masters; the GEMMs widen them in registers); embedding and head stay f32."""
 
-    def __init__(self, ctx, cfg: GptConfig, weights: dict, dtype: str = "f32"):
+    def __init__(self, ctx, cfg: GptConfig, weights: dict, matrix_dtype: str = "f32"):
         self.ctx, self.cfg = ctx, cfg
-        self.params = {name: ctx.variable(weights[name], tags=tags, dtype=dtype)
+        self.params = {name: ctx.variable(weights[name], tags=tags,
+                                          dtype=matrix_dtype if name.startswith("layers.") else "f32")
                        for name, (_, tags) in shapes(cfg).items()}
         self.table = ctx.prepare_rope_table(range(cfg.seq), cfg.head_dim, cfg.theta)
+        self._tables = {cfg.seq: self.table}
         self.heads = tuple(range(cfg.heads))
         self.scale = float(np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim)))
 
     def _w(self, l: int, m: str):
         return self.params[f"layers.{l}.{m}"]
 
+    def rope_table(self, n: int):
+        """The RoPE table of positions 0 .. n - 1 (built once per length)."""
+        if n not in self._tables:
+            self._tables[n] = self.ctx.prepare_rope_table(range(n), self.cfg.head_dim,
+                                                          self.cfg.theta)
+        return self._tables[n]
+
     def block(self, l: int, x):
         """x [seq, embed] -> [seq, embed]."""
         c = self.cfg
+        table = self.rope_table(x.shape[0])
         n = x.rms_norm("embed", c.eps)
         q = n.dot(self._w(l, "wq"), "embed").split_axis("q", ("head", "d"), (c.heads, c.head_dim))
         k = n.dot(self._w(l, "wk"), "embed").split_axis("k", ("kv_head", "d"),
                                                          (c.heads, c.head_dim))
         v = n.dot(self._w(l, "wv"), "embed").split_axis("v", ("kv_head", "d"),
                                                          (c.heads, c.head_dim))
-        q = q.rope("seq", "d", self.table, "half")
-        k = k.rope("seq", "d", self.table, "half")
+        q = q.rope("seq", "d", table, "half")
+        k = k.rope("seq", "d", table, "half")
         attn = q.grouped_attention(k, v, self.heads, "attn", self.scale)
         h = x + attn.dot(self._w(l, "wo"), "attn")
         n2 = h.rms_norm("embed", c.eps)
@@ -109,6 +121,12 @@ class Gpt:
     def loss(self, tokens, targets):
         """Mean cross-entropy of next-token prediction (targets: one id per position)."""
         return self.hidden(tokens).linear_cross_entropy(self.params["head"], targets)
+
+    def last_logits(self, tokens):
+        """Logits [1, vocab] of the position after `tokens` (no graph needed: call under
+        fu.no_grad())."""
+        h = self.hidden(tokens)
+        return h.narrow("seq", h.shape[0] - 1, 1).dot(self.params["head"], "embed")
 
 
 def torch_twin(torch, cfg: GptConfig, weights: dict, table_cos, table_sin, lr: float = 3e-4):

@@ -149,6 +149,15 @@ globals().update(_family(DistError, [
     "RayUnavailable", "ReplicaOutOfSync", "WorkersLost"], "Distributed-run error."))
 
 
+class ChatTemplateError(LlmError, ValueError):
+    """A chat template failed: its Jinja source does not compile, it raised (`raise_exception`),
+    or the messages given to it are malformed."""
+
+
+globals().update(_family(LlmError, [
+    "InvalidSamplingSettings", "ContextOverflow", "AdaptersMismatch"], "Generation error."))
+
+
 class UnsupportedTokenizer(LlmError, ValueError):
     """The GGUF tokenizer is not one fucina.llm implements, or its metadata is inconsistent.
     Not in the SPEC catalogue: the reference reports these as untyped load errors."""

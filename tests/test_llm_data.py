@@ -427,3 +427,143 @@ def test_loader_errors():
         Loader(3, "shuffled", 1.5)
     assert all(issubclass(e, fu.FucinaError) for e in (
         fu.EmptyDataset, fu.InvalidLoaderState, fu.MalformedJsonl, fu.SampleTooLong))
+
+
+# ---------------------------------------------------------------------------------------------
+# data as users have it: chat messages through the file's own template (issue 16 item 3)
+
+from test_llm_template import QWEN3_STYLE, _write   # noqa: E402 - the tokenizer-only GGUFs
+
+CHAT = [{"role": "system", "content": "You answer like a pirate."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Ahoy! The capital of France be Paris, matey."},
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": " Ahoy! Two plus two makes four, matey.\n"}]
+
+CHAT_CASES = {"smollm2": (SMOLLM2, "<|im_start|>", "<|im_end|>"),
+              "qwen3": (QWEN3_STYLE, "<|endoftext|>", "<|im_end|>"),
+              "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
+              "gemma": (GEMMA3, "<bos>", "<end_of_turn>")}
+
+
+@pytest.fixture(scope="module", params=sorted(CHAT_CASES))
+def chat_case(request, tmp_path_factory):
+    """(name, our tokenizer, our ChatTemplate, transformers' tokenizer) of one template."""
+    transformers = pytest.importorskip("transformers")
+    source, bos, eos = CHAT_CASES[request.param]
+    d = tmp_path_factory.mktemp(request.param)
+    _write(d / "m.gguf", source, bos, eos)
+    with fu.ExecContext(threads=1) as ctx:
+        f = fu.gguf.read(d / "m.gguf", ctx)
+        tok = Tokenizer.from_gguf(f)
+        ct = fu.llm.ChatTemplate.from_gguf(f, tok)
+    hf = transformers.AutoTokenizer.from_pretrained(str(d), gguf_file="m.gguf")
+    return request.param, tok, ct, hf
+
+
+def _hf_ids(hf, text):
+    return hf.encode(text, add_special_tokens=False)
+
+
+def _runs(sample):
+    """The supervised runs of a Sample: lists of consecutive supervised label ids."""
+    out, cur = [], []
+    for y in sample.labels:
+        if y == IGNORE_INDEX:
+            if cur:
+                out.append(cur)
+            cur = []
+        else:
+            cur.append(y)
+    return out + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("example", ["pair", "chat", "chat-no-system"])
+def test_encode_chat_matches_transformers(chat_case, example):
+    name, tok, ct, hf = chat_case
+    kw = {"enable_thinking": False} if name == "qwen3" else {}
+    if example == "pair":
+        messages = [{"role": "user", "content": "Name a primary color."},
+                    {"role": "assistant", "content": "Ahoy! Red be a fine primary color, matey."}]
+        ex = fu.llm.Pair(messages[0]["content"], messages[1]["content"])
+    else:
+        messages = CHAT if example == "chat" else CHAT[1:]
+        ex = fu.llm.Conversation(messages)
+    sample = fu.llm.encode_chat(tok, ct, ex, EncodeOptions(seq_max=4096))
+    seq = sample.inputs + [sample.labels[-1]]
+    # the whole sequence is transformers' tokenization of the rendered conversation (cut after
+    # the last assistant turn's end marker: nothing after it is trained on)
+    full = hf.apply_chat_template(messages, tokenize=False, **kw)
+    marker = ct.stop_strings()[0]
+    cut = full[:full.rindex(marker) + len(marker)]
+    assert seq == _hf_ids(hf, cut)
+    # the tokens before the last reply are exactly the served prompt's
+    last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
+    served = hf.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True,
+                                    **kw)
+    want = _hf_ids(hf, served)
+    assert seq[:len(want)] == want
+    # only assistant content + its end marker is supervised, every assistant turn once
+    runs = _runs(sample)
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert len(runs) == len(replies)
+    trims = name in ("llama3", "gemma")
+    for run, reply in zip(runs, replies):
+        assert tok.decode(run) == (reply.strip() if trims else reply) + marker
+    assert sample.labels[len(want) - 1] != IGNORE_INDEX and sample.labels[len(want) - 2] == IGNORE_INDEX
+
+
+def test_encode_chat_pair_equals_spec_encode_pair():
+    """A pair through the built-in chatml ChatTemplate is SPEC T-22's encode_pair exactly."""
+    tok = _tokenizer()
+    for think_off in (True, False):
+        for system in (None, "Be a pirate."):
+            opts = EncodeOptions(seq_max=64, system=system, think_off=think_off)
+            pair = Pair("What is two plus two?", "Ahoy! Two plus two makes four, matey.")
+            ct = fu.llm.ChatTemplate(builtin=Template.CHATML)
+            assert encode_pair(tok, ct, pair, opts) == encode_pair(tok, Template.CHATML, pair, opts)
+            assert encode_prompt(tok, ct, pair.instruction, opts) == \
+                encode_prompt(tok, Template.CHATML, pair.instruction, opts)
+
+
+def test_encode_chat_truncation_and_errors():
+    tok = _tokenizer()
+    ct = fu.llm.ChatTemplate(builtin=Template.CHATML)
+    conv = fu.llm.Conversation(CHAT)
+    whole = fu.llm.encode_chat(tok, ct, conv, EncodeOptions(seq_max=4096))
+    n = len(whole.inputs)
+    cut = fu.llm.encode_chat(tok, ct, conv, EncodeOptions(seq_max=n - 5))
+    assert cut.inputs == whole.inputs[:n - 5] and cut.labels == whole.labels[:n - 5]
+    first = next(i for i, y in enumerate(whole.labels) if y != IGNORE_INDEX)
+    assert fu.llm.encode_chat(tok, ct, conv, EncodeOptions(seq_max=first + 1)).labels[-1] != IGNORE_INDEX
+    with pytest.raises(fu.SampleTooLong, match="encode_chat: the first supervised token"):
+        fu.llm.encode_chat(tok, ct, conv, EncodeOptions(seq_max=first))
+    everything = fu.llm.encode_chat(tok, ct, conv, EncodeOptions(seq_max=4096, mask_prompt=False))
+    assert IGNORE_INDEX not in everything.labels and everything.inputs == whole.inputs
+    with pytest.raises(TypeError, match="at least one assistant|expected a str"):
+        fu.llm.Conversation([{"role": "user", "content": 3}])
+    with pytest.raises(ValueError, match="at least one assistant turn"):
+        fu.llm.Conversation([{"role": "user", "content": "hi"}])
+    with pytest.raises(TypeError, match="encode_chat: template: expected a ChatTemplate"):
+        fu.llm.encode_chat(tok, Template.CHATML, conv)
+    # a template that does not close assistant turns cannot be supervised
+    loose = fu.llm.ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    with pytest.raises(fu.ChatTemplateError, match="not followed by an end-of-turn marker"):
+        fu.llm.encode_chat(tok, loose, conv)
+
+
+def test_from_jsonl_messages(tmp_path):
+    p = tmp_path / "mixed.jsonl"
+    p.write_text(json.dumps({"messages": CHAT}) + "\n"
+                 + json.dumps({"instruction": "q", "response": "a"}) + "\n", encoding="utf-8")
+    data = SftText.from_jsonl(p)
+    assert data.pairs == [fu.llm.Conversation(CHAT), Pair("q", "a")]
+    assert data.pairs[0].instruction == CHAT[1]["content"]
+    for obj, msg in (({"messages": "hi"}, "expected a list of messages under key 'messages'"),
+                     ({"messages": ["hi"]}, r"messages\[0\]: expected a JSON object"),
+                     ({"messages": [{"role": "user"}]}, "'content', the key is missing"),
+                     ({"messages": [{"role": "user", "content": 1}]}, "got a JSON number"),
+                     ({"messages": [{"role": "user", "content": "x"}]}, "at least one assistant")):
+        p.write_text("\n" + json.dumps(obj) + "\n", encoding="utf-8")
+        with pytest.raises(fu.MalformedJsonl, match=re.escape(f"{p}:2: ") + ".*" + msg):
+            SftText.from_jsonl(p)

@@ -86,23 +86,25 @@ def _merge(word: tuple, pair: tuple, merged: str) -> tuple:
 
 def build_tiny_model(path, *, seed: int = 0, dtype: str = "f32", layers: int = 2,
                      hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                     ffn: int = 512, vocab_size: int = VOCAB) -> str:
+                     ffn: int = 512, vocab_size: int = VOCAB, arch: str = "qwen3") -> str:
     """Write the model to `path` (matrices stored as `dtype`: f32, f16, bf16 or a block type
-    such as q8_0; norm weights f32) and return the path."""
+    such as q8_0; norm weights f32) and return the path. arch "qwen3" (QK-norm, half RoPE) or
+    "llama" (no QK-norm, interleaved RoPE pairs)."""
+    if arch not in ("qwen3", "llama"):
+        raise ValueError(f"build_tiny_model: expected arch 'qwen3' or 'llama', got {arch!r}")
     path = os.fspath(path)
     tokens, merges = train_bpe(CORPUS, vocab_size)
     n_plain = len(tokens)
     tokens += [t for t, _ in SPECIAL]
     types = [NORMAL] * n_plain + [ty for _, ty in SPECIAL]
     tid = {t: i for i, t in enumerate(tokens)}
-    arch = "qwen3"
     meta = Metadata(types={})
 
     def put(key, value, vtype):
         meta[key], meta.types[key] = value, vtype
 
     put("general.architecture", arch, "str")
-    put("general.name", "fucina tiny qwen3 (random weights)", "str")
+    put("general.name", f"fucina tiny {arch} (random weights)", "str")
     for key, value in (("block_count", layers), ("context_length", 1024),
                        ("embedding_length", hidden), ("feed_forward_length", ffn),
                        ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
@@ -141,8 +143,9 @@ def build_tiny_model(path, *, seed: int = 0, dtype: str = "f32", layers: int = 2
             p = f"blk.{i}."
             norm(p + "attn_norm.weight", hidden)
             norm(p + "ffn_norm.weight", hidden)
-            norm(p + "attn_q_norm.weight", head_dim)
-            norm(p + "attn_k_norm.weight", head_dim)
+            if arch == "qwen3":
+                norm(p + "attn_q_norm.weight", head_dim)
+                norm(p + "attn_k_norm.weight", head_dim)
             add(p + "attn_q.weight", (q, hidden), hidden ** -0.5)
             add(p + "attn_k.weight", (kv, hidden), hidden ** -0.5)
             add(p + "attn_v.weight", (kv, hidden), hidden ** -0.5)

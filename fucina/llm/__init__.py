@@ -1,16 +1,23 @@
-"""The LLM text layer: the GGUF byte-level BPE tokenizer, chat templates and SFT data (SPEC T-22).
+"""Language models from GGUF files: serving (`load`), the byte-level BPE tokenizer, chat
+templates, SFT data (SPEC T-22) and the decoder models with their LoRA trainer.
 
+    lm = fu.llm.load("model.gguf", ctx)                 # model + tokenizer + chat template
+    print(lm.chat([{"role": "user", "content": "Hi"}], max_new=64).text)
     tok = fu.llm.Tokenizer.from_gguf(fu.gguf.read(path, ctx))
     template = fu.llm.detect(f.metadata.get("tokenizer.chat_template")) or fu.llm.Template.CHATML
     sample = fu.llm.encode_pair(tok, template, fu.llm.Pair(question, answer))
     model = fu.llm.qwen3.Model.from_gguf(ctx, f)       # the Qwen3 model and its LoRA trainer
 """
 from . import qwen3
-from .data import (IGNORE_INDEX, EncodeOptions, Loader, LoaderState, Pair, Sample, SftText,
-                   encode_pair, encode_prompt)
-from .template import Template, detect
+from .data import (IGNORE_INDEX, Conversation, EncodeOptions, Loader, LoaderState, Pair, Sample,
+                   SftText, chat_messages, chat_prompt_text, encode_chat, encode_pair,
+                   encode_prompt)
+from .generation import LM, Generation, KVCache, load
+from .sampling import Settings as SamplingSettings
+from .template import ChatTemplate, Template, detect
 from .tokenizer import Tokenizer, UnsupportedTokenizer
 
-__all__ = ["qwen3", "Tokenizer", "UnsupportedTokenizer", "Template", "detect", "IGNORE_INDEX", "Pair",
-           "SftText", "EncodeOptions", "Sample", "encode_prompt", "encode_pair", "Loader",
-           "LoaderState"]
+__all__ = ["qwen3", "Tokenizer", "UnsupportedTokenizer", "Template", "ChatTemplate", "detect", "IGNORE_INDEX", "Pair",
+           "SftText", "Conversation", "EncodeOptions", "encode_chat", "chat_messages",
+           "chat_prompt_text", "Sample", "encode_prompt", "encode_pair", "Loader",
+           "LoaderState", "load", "LM", "Generation", "KVCache", "SamplingSettings"]

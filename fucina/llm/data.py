@@ -6,6 +6,11 @@ a resumable sample-order loader.
     loader = Loader(len(data.pairs), "shuffled", seed=42)
     i = loader.next(); state = loader.state(); loader.restore(state)
 
+Data as users have it: a JSONL line is either an instruction/response pair or a chat
+`{"messages": [{"role", "content"}, ...]}` (multi-turn, system turns) — a `Conversation`.
+`encode_chat` renders either through the model file's own `ChatTemplate` and supervises only
+the assistant turns (their content and the end-of-turn marker after it).
+
 There is no padded batcher on purpose: the trainers take one flat sequence per loss call and
 batching is gradient accumulation.
 """
@@ -15,12 +20,13 @@ import json
 import os
 from dataclasses import dataclass
 
-from ..errors import EmptyDataset, InvalidLoaderState, MalformedJsonl, SampleTooLong
+from ..errors import ChatTemplateError, EmptyDataset, InvalidLoaderState, MalformedJsonl, SampleTooLong
 from ..rng import MASK64, at, splitmix64
-from .template import Template
+from .template import ChatTemplate, Template
 
-__all__ = ["IGNORE_INDEX", "Pair", "SftText", "EncodeOptions", "Sample", "encode_prompt",
-           "encode_pair", "Loader", "LoaderState"]
+__all__ = ["IGNORE_INDEX", "Pair", "Conversation", "SftText", "EncodeOptions", "Sample",
+           "encode_prompt", "encode_pair", "encode_chat", "chat_messages", "chat_prompt_text", "Loader",
+           "LoaderState"]
 
 IGNORE_INDEX = 2**64 - 1   # the label of a position that is not supervised
 
@@ -39,8 +45,47 @@ class Pair:
                                 f"{type(getattr(self, name)).__name__}")
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """One chat to learn from: `messages` are {"role", "content"} dicts (system, user and
+    assistant turns in any number); every assistant turn is supervised."""
+
+    messages: tuple
+
+    def __post_init__(self):
+        where = "Conversation"
+        if isinstance(self.messages, (str, bytes, dict)) or not isinstance(self.messages,
+                                                                            (list, tuple)):
+            raise TypeError(f"{where}: messages: expected a list of dicts, got "
+                            f"{type(self.messages).__name__}")
+        checked = []
+        for k, m in enumerate(self.messages):
+            if not isinstance(m, dict):
+                raise TypeError(f"{where}: messages[{k}]: expected a dict, got {type(m).__name__}")
+            for key in ("role", "content"):
+                if not isinstance(m.get(key), str):
+                    raise TypeError(f"{where}: messages[{k}][{key!r}]: expected a str, got "
+                                    f"{type(m.get(key)).__name__}")
+            checked.append(dict(m))
+        if not any(m["role"] == "assistant" for m in checked):
+            raise ValueError(f"{where}: messages: expected at least one assistant turn to "
+                             f"supervise, got roles {[m['role'] for m in checked]}")
+        object.__setattr__(self, "messages", tuple(checked))
+
+    @property
+    def instruction(self) -> str:
+        """The first user turn (what BEFORE/AFTER samples ask)."""
+        return next((m["content"] for m in self.messages if m["role"] == "user"), "")
+
+    @property
+    def response(self) -> str:
+        """The first assistant turn."""
+        return next(m["content"] for m in self.messages if m["role"] == "assistant")
+
+
 class SftText:
-    """A list of Pairs, from memory or from a JSONL file."""
+    """A list of examples (Pair or Conversation), from memory or from a JSONL file. The
+    attribute keeps its SPEC name `pairs`."""
 
     def __init__(self, pairs):
         self.pairs = pairs
@@ -67,10 +112,11 @@ class SftText:
 
     @classmethod
     def from_jsonl(cls, path, instruction_key: str = "instruction",
-                   response_key: str = "response") -> "SftText":
-        """One JSON object per line holding the two string keys. Lines are stripped of spaces,
-        tabs and carriage returns; blank lines are skipped; any other line that is not such an
-        object raises MalformedJsonl naming the file and the 1-based line number."""
+                   response_key: str = "response", messages_key: str = "messages") -> "SftText":
+        """One JSON object per line holding the two string keys, or a `messages_key` list of
+        {"role", "content"} objects (a Conversation). Lines are stripped of spaces, tabs and
+        carriage returns; blank lines are skipped; any other line that is not such an object
+        raises MalformedJsonl naming the file and the 1-based line number."""
         path = os.fspath(path)
         with open(path, "rb") as f:
             data = f.read()
@@ -91,6 +137,9 @@ class SftText:
             if not isinstance(obj, dict):
                 raise MalformedJsonl(f"{where}: expected a JSON object, got a JSON "
                                      f"{_json_kind(obj)}")
+            if messages_key in obj:
+                pairs.append(_conversation(obj[messages_key], messages_key, where))
+                continue
             values = []
             for key in (instruction_key, response_key):
                 if key not in obj:
@@ -102,6 +151,26 @@ class SftText:
                 values.append(obj[key])
             pairs.append(Pair(*values))
         return cls(pairs)
+
+
+def _conversation(value, key, where) -> Conversation:
+    if not isinstance(value, list):
+        raise MalformedJsonl(f"{where}: expected a list of messages under key {key!r}, got a "
+                             f"JSON {_json_kind(value)}")
+    for k, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise MalformedJsonl(f"{where}: {key}[{k}]: expected a JSON object with 'role' and "
+                                 f"'content', got a JSON {_json_kind(m)}")
+        for field in ("role", "content"):
+            if not isinstance(m.get(field), str):
+                got = "the key is missing" if field not in m else \
+                    f"got a JSON {_json_kind(m[field])}"
+                raise MalformedJsonl(f"{where}: {key}[{k}]: expected a string under key "
+                                     f"{field!r}, {got}")
+    if not any(m["role"] == "assistant" for m in value):
+        raise MalformedJsonl(f"{where}: {key}: expected at least one assistant turn to "
+                             f"supervise, got roles {[m['role'] for m in value]}")
+    return Conversation(tuple({"role": m["role"], "content": m["content"]} for m in value))
 
 
 def _json_kind(value) -> str:
@@ -129,8 +198,13 @@ class Sample:
 
 
 def encode_prompt(tok, template: Template, instruction: str, opts: EncodeOptions | None = None) -> list:
-    """The ids of the first user turn (system and think_off from `opts`)."""
+    """The ids of the first user turn (system and think_off from `opts`); a ChatTemplate
+    renders it as the served prompt of that one turn."""
     opts = EncodeOptions() if opts is None else opts
+    if isinstance(template, ChatTemplate):
+        head = [] if opts.system is None else [{"role": "system", "content": opts.system}]
+        return tok.encode_raw(chat_prompt_text(
+            template, head + [{"role": "user", "content": instruction}], opts))
     return tok.encode_raw(template.render_turn(opts.system, instruction, True, opts.think_off))
 
 
@@ -140,6 +214,10 @@ def encode_pair(tok, template: Template, pair: Pair, opts: EncodeOptions | None 
     inputs and next-token labels; prompt positions are masked when `opts.mask_prompt`.
     SampleTooLong when no response token survives the cut."""
     opts = EncodeOptions() if opts is None else opts
+    if isinstance(template, ChatTemplate):   # the file's own template: see encode_chat
+        if not isinstance(pair, Pair):
+            raise TypeError(f"encode_pair: pair: expected a Pair, got {type(pair).__name__}")
+        return encode_chat(tok, template, pair, opts)
     if not isinstance(pair, Pair):
         raise TypeError(f"encode_pair: pair: expected a Pair, got {type(pair).__name__}")
     if not isinstance(opts.seq_max, int) or isinstance(opts.seq_max, bool):
@@ -158,6 +236,126 @@ def encode_pair(tok, template: Template, pair: Pair, opts: EncodeOptions | None 
     ignore, n_prompt = opts.ignore_index, len(prompt)
     labels = [ignore if opts.mask_prompt and i < n_prompt else seq[i] for i in range(1, total)]
     return Sample(seq[:-1], labels)
+
+
+def chat_messages(example, system: str | None = None) -> list:
+    """The messages of a Pair ([system], user, assistant) or a Conversation (as given)."""
+    if isinstance(example, Conversation):
+        return [dict(m) for m in example.messages]
+    if isinstance(example, Pair):
+        head = [] if system is None else [{"role": "system", "content": system}]
+        return head + [{"role": "user", "content": example.instruction},
+                       {"role": "assistant", "content": example.response}]
+    raise TypeError(f"chat_messages: example: expected a Pair or a Conversation, got "
+                    f"{type(example).__name__}")
+
+
+def _variables(template: ChatTemplate, opts: EncodeOptions) -> dict:
+    # the reasoning switch only where the template has one (Qwen3's enable_thinking)
+    if template.builtin is not None or template.uses("enable_thinking"):
+        return {"enable_thinking": not opts.think_off}
+    return {}
+
+
+def chat_prompt_text(template: ChatTemplate, messages, opts: EncodeOptions | None = None) -> str:
+    """The served prompt of `messages`: rendered with the generation prompt."""
+    opts = EncodeOptions() if opts is None else opts
+    return template.render(messages, True, **_variables(template, opts))
+
+
+_HOLE = "\ue000{}\ue001"   # private-use code points: survive trim, never in real data
+
+
+def _assistant_spans(template: ChatTemplate, messages, variables, where) -> tuple[str, list]:
+    """(full text up to the end of the last assistant turn, [(start, end)] character spans of
+    each assistant turn's content plus the end-of-turn marker that follows it).
+
+    The spans are found by rendering once more with a placeholder in place of each assistant
+    content: the text between placeholders is the template's own, so each content's rendered
+    form (after the template's trim and the like) is what lies between those pieces."""
+    full = template.render(messages, False, **variables)
+    holes = [dict(m) for m in messages]
+    slots = [k for k, m in enumerate(holes) if m["role"] == "assistant"]
+    for n, k in enumerate(slots):
+        holes[k]["content"] = _HOLE.format(n)
+    skeleton = template.render(holes, False, **variables)
+    pieces, rest = [], skeleton
+    for n in range(len(slots)):
+        mark = _HOLE.format(n)
+        if rest.count(mark) != 1:
+            raise ChatTemplateError(f"{where}: the chat template does not write assistant "
+                                    f"turn {n} exactly once; cannot tell which text to supervise")
+        head, rest = rest.split(mark)
+        pieces.append(head)
+    pieces.append(rest)
+    stops = template.stop_strings()
+    spans, pos = [], 0
+    for n in range(len(slots)):
+        if not full.startswith(pieces[n], pos):
+            raise ChatTemplateError(f"{where}: the chat template renders the text around "
+                                    f"assistant turn {n} differently for different contents")
+        start = pos + len(pieces[n])
+        nxt = pieces[n + 1]
+        if n + 1 == len(slots):
+            end = len(full) - len(nxt)
+            if end < start or not full.endswith(nxt):
+                raise ChatTemplateError(f"{where}: the chat template renders the text after "
+                                        f"the last assistant turn differently for different "
+                                        f"contents")
+        else:
+            end = full.find(nxt, start) if nxt else start
+            if end < 0:
+                raise ChatTemplateError(f"{where}: the chat template renders the text after "
+                                        f"assistant turn {n} differently for different contents")
+        marker = next((m for m in stops if nxt.startswith(m)), None)
+        if marker is None:
+            raise ChatTemplateError(f"{where}: assistant turn {n} is not followed by an "
+                                    f"end-of-turn marker {stops}; expected the template to "
+                                    f"close every assistant turn")
+        spans.append((start, end + len(marker)))
+        pos = end
+    return full[:spans[-1][1]], spans
+
+
+def encode_chat(tok, template: ChatTemplate, example, opts: EncodeOptions | None = None) -> Sample:
+    """A Pair or Conversation rendered through the model file's own `template` and encoded so
+    that only assistant turns (content + end-of-turn marker) are supervised.
+
+    The text is cut at the assistant spans and each piece is encoded on its own, as SPEC T-22
+    encodes prompt and response separately: the tokens before a reply are exactly what the
+    served prompt (`chat_prompt_text` of the turns before it) encodes to, and the reply's
+    tokens are the reply encoded alone, as generation produces them — no BPE merge crosses a
+    boundary. The text after the last assistant turn is dropped. Cut to seq_max + 1 tokens;
+    SampleTooLong when no supervised token survives (or `opts.mask_prompt` is off: then every
+    position is supervised)."""
+    opts = EncodeOptions() if opts is None else opts
+    where = "encode_chat"
+    if not isinstance(template, ChatTemplate):
+        raise TypeError(f"{where}: template: expected a ChatTemplate, got "
+                        f"{type(template).__name__}")
+    if not isinstance(opts.seq_max, int) or isinstance(opts.seq_max, bool) or opts.seq_max < 0:
+        raise ValueError(f"{where}: opts.seq_max: expected an int >= 0, got {opts.seq_max!r}")
+    messages = chat_messages(example, opts.system)
+    text, spans = _assistant_spans(template, messages, _variables(template, opts), where)
+    seq, supervised, pos = [], [], 0
+    for start, end in spans:
+        ids = tok.encode_raw(text[pos:start])
+        seq += ids
+        supervised += [False] * len(ids)
+        ids = tok.encode_raw(text[start:end])
+        seq += ids
+        supervised += [True] * len(ids)
+        pos = end
+    total = min(len(seq), opts.seq_max + 1)
+    ignore = opts.ignore_index
+    labels = [seq[i] if supervised[i] or not opts.mask_prompt else ignore
+              for i in range(1, total)]
+    if total < 2 or all(y == ignore for y in labels):
+        first = supervised.index(True) if True in supervised else len(seq)
+        raise SampleTooLong(
+            f"{where}: the first supervised token is at position {first} of {len(seq)}; "
+            f"expected at least one within seq_max + 1 = {opts.seq_max + 1} tokens")
+    return Sample(seq[:total - 1], labels)
 
 
 @dataclass(frozen=True)

