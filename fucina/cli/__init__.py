@@ -2,6 +2,8 @@
 
     fucina finetune ...      LoRA fine-tuning of a GGUF model (fucina/cli/finetune.py)
     fucina export ...        merge adapters into a GGUF and/or transcode it (export.py)
+    fucina chat MODEL.gguf   a streamed chat with the model, or one answer (chat.py)
+    fucina info MODEL.gguf   what a GGUF file holds (info.py)
     fucina prewarm ...       compile the kernels of a workload ahead of time (prewarm.py)
     fucina es-finetune ...   gradient-free fine-tuning by evolution strategies (es_finetune.py)
 
@@ -18,6 +20,8 @@ import sys
 COMMANDS = {
     "finetune": ("finetune", "LoRA fine-tuning of a GGUF model on a JSONL data set"),
     "export": ("export", "merge LoRA adapters into a GGUF and/or transcode its weights"),
+    "chat": ("chat", "talk to a GGUF model: a streamed multi-turn REPL or one --prompt"),
+    "info": ("info", "what a GGUF file holds: architecture, sizes, tensor types, tokenizer"),
     "prewarm": ("prewarm", "compile the kernels of a workload ahead of time"),
     "es-finetune": ("es_finetune", "gradient-free fine-tuning by evolution strategies (also on Ray)"),
 }
