@@ -20,17 +20,16 @@ is held until that is decided; a stop string ends the reply and is not part of i
 also stops at the end-of-turn marker of the template (chat) and at EOS (token ids), at
 `max_new` new tokens, and when the context length is full (finish reason "length").
 
-`adapters=DIR` (a finetune save directory: adapters.safetensors + trainer_state.json) applies
-LoRA adapters on the fly — each adapted projection adds (x·Aᵀ)·Bᵀ·alpha/rank to the frozen
-one's output, nothing is merged; alpha comes from the directory's trainer_state.json unless
-given.
+`adapters=DIR` (a finetune save directory: adapters.safetensors + trainer_state.json, or a
+PEFT adapter directory: fu.llm.peft) applies LoRA adapters on the fly — each adapted projection adds (x·Aᵀ)·Bᵀ·alpha/rank to the frozen
+one's output, nothing is merged; alpha comes from the directory (trainer_state.json's
+lora_alpha, or adapter_config.json) unless given.
 """
 from __future__ import annotations
 
 import codecs
 import numbers
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +42,7 @@ from ..errors import AdaptersMismatch, ContextOverflow, FucinaError, InvalidSequ
 from ..exec import elementwise as ew
 from ..lora import LoraConfig
 from .qwen3.model import Model, check_tokens
-from .qwen3.train import TARGETS, Trainer, _Lora
+from .qwen3.train import Trainer, _Lora
 from .sampling import Settings, pick
 from .template import ChatTemplate
 from .tokenizer import Tokenizer
@@ -51,7 +50,6 @@ from .tokenizer import Tokenizer
 __all__ = ["load", "LM", "KVCache", "Generation"]
 
 KV_DTYPES = ("f32", "f16")
-_ADAPTER_NAME = re.compile(r"^layers\.(\d+)\.(q|k|v|o|gate|up|down)\.lora_([ab])$")
 
 
 class KVCache:
@@ -299,42 +297,23 @@ def _stop_strings(stop) -> tuple:
 # ---------------------------------------------------------------------------------------------
 # loading
 
-def read_adapters(path, alpha=None) -> tuple:
-    """(alpha, rank, targets, file) of a finetune save directory (or an adapters.safetensors
-    file beside its trainer_state.json). AdaptersMismatch when it holds no adapter of ours or
-    alpha is neither given nor recorded."""
-    path = os.fspath(path)
-    directory = path if os.path.isdir(path) else os.path.dirname(path)
-    file = os.path.join(path, io.ADAPTERS_STATE_FILE) if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise AdaptersMismatch(f"fu.llm.load: adapters {path!r}: expected a finetune save "
-                               f"directory holding {io.ADAPTERS_STATE_FILE}, found none")
-    from safetensors import safe_open   # the format's own reader, for the names and shapes
+def attach_adapters(model: Model, path, alpha=None) -> Trainer:
+    """A Trainer over `model` holding the adapters of `path` (a finetune save directory or a
+    PEFT adapter directory, fu.llm.peft.read), checked strictly against the model: every name,
+    shape and dtype (AdaptersMismatch otherwise)."""
+    import io as _io
+
+    from safetensors.numpy import save as st_save
+    from . import peft
+    ad = peft.read(path, model.config, alpha)
     try:
-        with safe_open(file, "np") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except Exception as e:
-        raise AdaptersMismatch(f"fu.llm.load: adapters {file!r}: not a readable safetensors "
-                               f"file ({type(e).__name__}: {e})") from None
-    targets, ranks = set(), set()
-    for name, shape in shapes.items():
-        m = _ADAPTER_NAME.match(name)
-        if m is None:
-            raise AdaptersMismatch(f"fu.llm.load: adapters {file!r}: tensor {name!r} is not a "
-                                   f"LoRA adapter of ours (layers.<i>.<target>.lora_a/_b)")
-        targets.add(m.group(2))
-        if m.group(3) == "a":
-            ranks.add(shape[0])
-    if len(ranks) != 1:
-        raise AdaptersMismatch(f"fu.llm.load: adapters {file!r}: expected one LoRA rank, got "
-                               f"{sorted(ranks) or 'none'}")
-    if alpha is None:
-        state = io.load_trainer_state(directory)
-        alpha = None if state is None else state.lora_alpha
-        if alpha is None:
-            raise AdaptersMismatch(f"fu.llm.load: adapters {path!r}: no lora_alpha recorded in "
-                                   f"{io.TRAINER_STATE_FILE}; pass alpha=")
-    return float(alpha), ranks.pop(), tuple(t for t in TARGETS if t in targets), file
+        trainer = Trainer(model, ad.targets, LoraConfig(ad.rank, ad.alpha), 0)
+        trainer.load_adapters(_io.BytesIO(st_save(ad.tensors)))
+    except FucinaError as e:
+        raise AdaptersMismatch(f"fu.llm.load: adapters {os.fspath(path)!r} do not fit the model "
+                               f"({model.config.arch}, {model.config.num_layers} layers, hidden "
+                               f"{model.config.hidden}): {type(e).__name__}: {e}") from None
+    return trainer
 
 
 def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
@@ -349,13 +328,5 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
     tok = Tokenizer.from_gguf(f)
     template = ChatTemplate.from_gguf(f, tok, think_off=think_off)
     model = Model.from_gguf(ctx, f)
-    trainer = None
-    if adapters is not None:
-        a, rank, targets, file = read_adapters(adapters, alpha)
-        try:
-            trainer = Trainer(model, targets, LoraConfig(rank, a), 0)
-            trainer.load_adapters(file)
-        except FucinaError as e:
-            raise AdaptersMismatch(f"fu.llm.load: adapters {os.fspath(adapters)!r} do not fit "
-                                   f"{os.path.basename(f.path)}: {type(e).__name__}: {e}") from None
+    trainer = None if adapters is None else attach_adapters(model, adapters, alpha)
     return LM(ctx, model, tok, template, trainer, kv_dtype)
