@@ -327,14 +327,77 @@ def test_merge_errors(tmp_path):
     run({"layers.0.q.lora_a": a[:, :32], "layers.0.q.lora_b": b}, fu.ShapeMismatch, "blk.0.attn_q")
     run({"layers.0.q.lora_a": a[:2], "layers.0.q.lora_b": b}, fu.ShapeMismatch, "same rank")
     assert issubclass(fu.InvalidStateDict, fu.FucinaError)
-    qsrc = tmp_path / "q.gguf"   # a quantized base: merge into a dense model, then --dtype
+    qsrc = tmp_path / "q.gguf"
     write_qwen3(qsrc, "f32", quantized={"blk.0.attn_q.weight"})
-    for target in ("verbatim", "q8_0"):
-        with pytest.raises(fu.QuantizedBaseUnsupported, match="stored as q8_0.*--dtype q8_0"):
-            ex.export(str(qsrc), str(out), target, adapters=str(tmp_path / "good.safetensors"),
-                      alpha=ALPHA, log=quiet)
-        assert not out.exists()
     ok = tmp_path / "ok.safetensors"   # the quantized tensor untouched by the adapters: fine
     write_adapters(ok, {k: v for k, v in good.items() if not k.startswith("layers.0.q.")})
     ex.export(str(qsrc), str(out), adapters=str(ok), alpha=ALPHA, log=quiet)
     assert raw_tensors(out)["blk.0.attn_q.weight"] == raw_tensors(qsrc)["blk.0.attn_q.weight"]
+
+
+def test_merge_into_a_quantized_base_is_one_command(tmp_path):
+    """Issue 16 item 6: a q8_0 base is decoded exactly, merged, and written at --dtype; with
+    verbatim the merged tensors are f32 and the untouched ones keep their bytes."""
+    src, ad = tmp_path / "q.gguf", tmp_path / "a.safetensors"
+    write_qwen3(src, "f32", quantized={"blk.0.attn_q.weight", "blk.1.attn_v.weight",
+                                       "blk.0.ffn_up.weight"})
+    entries = write_adapters(ad)
+    ctx = fu.ExecContext(threads=1)
+    base = fu.gguf.read(str(src), ctx)
+    for target, want_type in (("verbatim", GT.F32), ("f16", GT.F16), ("q8_0", GT.Q8_0)):
+        out = tmp_path / f"m-{target}.gguf"
+        ex.export(str(src), str(out), target, adapters=str(ad), alpha=ALPHA, log=quiet)
+        got = raw_tensors(out)
+        name = "blk.0.attn_q.weight"
+        w = base.tensors[name].to("f32").numpy()
+        merged = numpy_merge(w, entries["layers.0.q.lora_a"], entries["layers.0.q.lora_b"])
+        assert got[name][0] == want_type
+        back = fu.gguf.read(str(out), ctx).tensors[name].to("f32").numpy()
+        tol = {"verbatim": 1e-6, "f16": 2e-3, "q8_0": 2e-2}[target]
+        np.testing.assert_allclose(back, merged, rtol=0, atol=tol * np.abs(merged).max())
+        untouched = "blk.0.ffn_up.weight"       # quantized, no adapter
+        if target == "verbatim":
+            assert got[untouched] == raw_tensors(src)[untouched]
+        else:
+            assert got[untouched][0] == want_type
+
+
+def test_lora_gguf_for_llama_cpp(tmp_path):
+    """Issue 16 item 4: llama.cpp's adapter GGUF, read back with the gguf package, holds our
+    A and B with the metadata llama.cpp checks, and W + scale·B·A equals our merge."""
+    src, ad, out = tmp_path / "m.gguf", tmp_path / "a.safetensors", tmp_path / "lora.gguf"
+    write_qwen3(src, "f32")
+    entries = write_adapters(ad)
+    shapes = ex.lora_gguf(str(src), str(out), str(ad), ALPHA, log=quiet)
+    r = gguf.GGUFReader(str(out))
+    field = lambda k: r.fields[k].contents()
+    assert field("general.type") == "adapter" and field("adapter.type") == "lora"
+    assert field("general.architecture") == "qwen3"
+    assert field("adapter.lora.alpha") == pytest.approx(ALPHA)
+    tensors = {t.name: t for t in r.tensors}
+    assert set(tensors) == set(shapes)
+    merged_out = tmp_path / "merged.gguf"
+    ex.export(str(src), str(merged_out), adapters=str(ad), alpha=ALPHA, log=quiet)
+    merged = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(merged_out)).tensors}
+    base = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(src)).tensors}
+    for prefix, (a_name, b_name) in {k[:-len(".lora_a")]: (k, k[:-1] + "b")
+                                     for k in tensors if k.endswith(".lora_a")}.items():
+        a, b = np.array(tensors[a_name].data), np.array(tensors[b_name].data)
+        # ggml ne order: lora_a ne = [in, rank], lora_b ne = [rank, out]
+        w = base[prefix]
+        assert list(tensors[a_name].shape) == [w.shape[1], a.shape[0]]
+        assert list(tensors[b_name].shape) == [a.shape[0], w.shape[0]]
+        scale = float(np.float32(ALPHA) / np.float32(a.shape[0]))
+        want = w.astype(np.float64) + scale * (b.astype(np.float64) @ a.astype(np.float64))
+        np.testing.assert_allclose(merged[prefix], want, rtol=0, atol=1e-5 * np.abs(want).max())
+    layer, target = next(iter(entries)).split(".")[1:3]
+    key = f"blk.{layer}.{ex.GGUF_TENSOR[target]}.weight.lora_a"
+    assert np.array_equal(np.array(tensors[key].data), entries[f"layers.{layer}.{target}.lora_a"])
+    # the command line: one of --out / --lora-gguf, adapters required
+    assert ex.main(["--from-gguf", str(src), "--lora-gguf", str(tmp_path / "x.gguf"),
+                    "--adapters", str(ad), "--alpha", str(ALPHA)]) == 0
+    with pytest.raises(SystemExit):
+        ex.main(["--from-gguf", str(src), "--lora-gguf", str(out)])
+    with pytest.raises(SystemExit):
+        ex.main(["--from-gguf", str(src)])
+

@@ -46,6 +46,8 @@ import re
 import sys
 import time
 
+import io
+
 import fucina as fu
 from fucina.errors import InvalidStateDict
 from fucina.io.safetensors import read_header
@@ -62,7 +64,7 @@ ADAPTER_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(q|k|v|o|gate|up|down)\.lor
 def plan(name: str, stored: str, shape: tuple, target: str) -> tuple[str, str]:
     """(dtype to write, why) for one tensor under the transcode policy above."""
     if target not in TARGETS:
-        raise ValueError(f"export_gguf: expected --dtype in {TARGETS}, got {target!r}")
+        raise ValueError(f"fucina export: expected --dtype in {TARGETS}, got {target!r}")
     if target == "verbatim":
         return stored, "verbatim"
     if len(shape) < 2 or not name.endswith(".weight") or "norm" in name:
@@ -71,7 +73,7 @@ def plan(name: str, stored: str, shape: tuple, target: str) -> tuple[str, str]:
         return stored, "kept (already the target type)"
     if stored not in DENSE:
         raise fu.QuantizedSourceUnsupported(
-            f"export_gguf: tensor {name!r} is stored as {stored}; expected f32, f16 or bf16 to "
+            f"fucina export: tensor {name!r} is stored as {stored}; expected f32, f16 or bf16 to "
             f"transcode to {target} (no chain-requantizing: export such files with --dtype verbatim)")
     block = BLOCK_OF.get(target)
     if block and shape[-1] % block:
@@ -89,7 +91,7 @@ def adapter_file(path) -> str:
     if os.path.isdir(path):
         inner = os.path.join(path, fu.io.ADAPTERS_STATE_FILE)
         if not os.path.isfile(inner):
-            raise fu.NoAdaptersFound(f"export_gguf: --adapters {path}: expected a checkpoint "
+            raise fu.NoAdaptersFound(f"fucina export: --adapters {path}: expected a checkpoint "
                                      f"directory holding {fu.io.ADAPTERS_STATE_FILE}, found none")
         return inner
     return path
@@ -128,12 +130,33 @@ def pair_entries(entries, where: str) -> dict:
     return out
 
 
+def adapter_source(path, config, alpha):
+    """(safetensors source of our adapter names, alpha): a PEFT adapter directory is read by
+    fu.llm.peft (its names mapped to ours, llama's q/k rows back in GGUF order, alpha from its
+    config unless given); otherwise the file or checkpoint directory itself."""
+    from fucina.llm import peft
+    if peft.is_peft_dir(path):
+        from safetensors.numpy import save as st_save
+        ad = peft.read(path, config, alpha)
+        return io.BytesIO(st_save(ad.tensors)), ad.alpha
+    if alpha is None:
+        raise fu.MissingAlpha("fucina export: --adapters needs --alpha (the adapter file stores A "
+                              "and B but not the training-time alpha; finetune's default is 16)")
+    return adapter_file(path), alpha
+
+
 def load_adapters(ctx, path, alpha: float) -> dict:
-    """GGUF tensor name -> (prefix, fu.lora.Adapter holding the file's A and B)."""
-    path = adapter_file(path)
-    where = f"export_gguf: --adapters {path}"
-    with open(path, "rb") as fh:
-        pairs = pair_entries(read_header(fh, where), where)
+    """GGUF tensor name -> (prefix, fu.lora.Adapter holding the file's A and B). `path`: a
+    safetensors file path or a binary file object."""
+    where = f"fucina export: --adapters {getattr(path, 'name', path)}"
+    if isinstance(path, (str, bytes, os.PathLike)):
+        path = adapter_file(path)
+        with open(path, "rb") as fh:
+            pairs = pair_entries(read_header(fh, where), where)
+    else:
+        path.seek(0)
+        pairs = pair_entries(read_header(path, where), where)
+        path.seek(0)
     template = fu.lora.Adapter("ne0", "ne1")   # a GGUF [out, in] weight is tagged ("ne1", "ne0")
     out = {}
     for prefix, (tensor, a, b) in pairs.items():
@@ -150,24 +173,28 @@ def stored_type(t) -> str:
 def check_merge(tensors: dict, name: str, prefix: str, ad, src) -> None:
     """The base an adapter targets exists, is dense and has the adapter's [out, in] shape."""
     if name not in tensors:
-        raise fu.UnknownAdapterName(f"export_gguf: adapter {prefix!r} targets {name!r}, which "
+        raise fu.UnknownAdapterName(f"fucina export: adapter {prefix!r} targets {name!r}, which "
                                     f"{src} does not have")
     t = tensors[name]
     stored = stored_type(t)
-    if stored not in DENSE:
-        then = f"--dtype {stored}" if stored in TARGETS else "transcode"
+    if stored not in DENSE and not isinstance(t, fu.Tensor):
         raise fu.QuantizedBaseUnsupported(
-            f"export_gguf: adapter {prefix!r} targets {name!r}, stored as {stored}; expected an "
-            f"f32, f16 or bf16 base (merge into an f32/f16/bf16 model, then {then} in a second "
-            f"pass)")
+            f"fucina export: adapter {prefix!r} targets {name!r}, stored as {stored}, a type "
+            f"fucina cannot decode; expected f32/f16/bf16 or a ggml block type")
     if tuple(t.shape) != (ad.out_dim, ad.in_dim):
-        raise fu.ShapeMismatch(f"export_gguf: adapter {prefix!r}: expected {name!r} of shape "
+        raise fu.ShapeMismatch(f"fucina export: adapter {prefix!r}: expected {name!r} of shape "
                                f"[{ad.out_dim}, {ad.in_dim}] ([out, in]), got {list(t.shape)}")
 
 
 def merge(t, prefix: str, ad):
-    """The merged tensor (new, in t's dtype: f32, f16 or bf16) and why."""
+    """The merged tensor (new, in t's dtype: f32, f16 or bf16; f32 for a block-quantized base,
+    decoded exactly first) and why."""
     stored = t.dtype
+    if stored not in DENSE:
+        merged = t.to("f32")          # every block type decodes exactly to f32
+        ad.merge_into(merged)
+        return merged, (f"merged {prefix} (rank {ad.rank}, scale {ad.scale:g}) into {stored} "
+                        f"decoded to f32")
     if stored == "f16":
         merged = ad.merge_f16(t)
     else:
@@ -178,6 +205,55 @@ def merge(t, prefix: str, ad):
     return merged, f"merged {prefix} (rank {ad.rank}, scale {ad.scale:g}) into {stored}"
 
 
+def _config(f):
+    """The model config of a GGUF (for PEFT q/k row order), or None when it is no model fucina
+    runs (then PEFT q/k adapters are refused by fu.llm.peft)."""
+    try:
+        return fu.llm.qwen3.Config.from_gguf(f)
+    except fu.FucinaError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's LoRA adapter GGUF
+
+def lora_gguf(base: str, dst: str, adapters, alpha: float | None = None, log=print) -> dict:
+    """Write the adapters as llama.cpp's LoRA adapter file: general.type "adapter",
+    general.architecture of the base, adapter.type "lora", adapter.lora.alpha, and per adapted
+    weight `<base tensor>.lora_a` (ne [in, rank]) / `.lora_b` (ne [rank, out]) in f32, checked
+    against the base's tensors. Returns name -> shape."""
+    ctx = fu.ExecContext(threads=1)
+    try:
+        f = fu.gguf.read(base, ctx)
+        arch = f.metadata.get("general.architecture")
+        source, alpha = adapter_source(adapters, _config(f), alpha)
+        merges = load_adapters(ctx, source, alpha)
+        meta = fu.gguf.Metadata(types={})
+        for key, value, vtype in (("general.architecture", arch, "str"),
+                                  ("general.type", "adapter", "str"),
+                                  ("adapter.type", "lora", "str"),
+                                  ("adapter.lora.alpha", float(alpha), "f32")):
+            meta[key], meta.types[key] = value, vtype
+        tensors, shapes = {}, {}
+        for name in sorted(merges, key=_layer_order):
+            prefix, ad = merges[name]
+            check_merge(f.tensors, name, prefix, ad, base)
+            for suffix, t in ((".lora_a", ad.a), (".lora_b", ad.b)):
+                tensors[name + suffix] = fu.Tensor(t._raw, fu.gguf.tags_for(2))
+                shapes[name + suffix] = tuple(t.shape)
+        fu.gguf.write(dst, tensors, meta)
+        log(f"wrote {dst}: llama.cpp LoRA adapter for {arch}, {len(merges)} weights, "
+            f"alpha {alpha:g}, rank {next(iter(merges.values()))[1].rank}")
+        return shapes
+    finally:
+        ctx.close()
+
+
+def _layer_order(name: str):
+    parts = name.split(".")
+    return (int(parts[1]), name) if len(parts) > 1 and parts[1].isdigit() else (-1, name)
+
+
 # ---------------------------------------------------------------------------------------------
 # export
 
@@ -186,26 +262,25 @@ def export(src: str, dst: str, target: str = "verbatim", log=print, *, adapters=
     """Merge `adapters` (if given) and transcode `src` into `dst`; returns name -> (dtype
     written, why)."""
     if target not in TARGETS:
-        raise ValueError(f"export_gguf: expected --dtype in {TARGETS}, got {target!r}")
+        raise ValueError(f"fucina export: expected --dtype in {TARGETS}, got {target!r}")
     if adapters is None:
         if alpha is not None:
-            raise ValueError("export_gguf: --alpha is the adapters' scale numerator; expected it "
-                             "with --adapters, got it alone")
-    elif alpha is None:
-        raise fu.MissingAlpha("export_gguf: --adapters needs --alpha (the adapter file stores A "
-                              "and B but not the training-time alpha; finetune's default is 16)")
-    elif isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"export_gguf: expected a finite --alpha, got {alpha!r}")
+            raise ValueError("fucina export: --alpha is the adapters' scale numerator; expected "
+                             "it with --adapters, got it alone")
+    elif alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                                or not math.isfinite(alpha)):
+        raise ValueError(f"fucina export: expected a finite --alpha, got {alpha!r}")
     ctx = fu.ExecContext()
     try:
         f = fu.gguf.read(src, ctx)
         merges = {}
         t0 = time.perf_counter()
         if adapters is not None:
-            merges = load_adapters(ctx, adapters, alpha)
+            source, alpha = adapter_source(adapters, _config(f), alpha)
+            merges = load_adapters(ctx, source, alpha)
             for name, (prefix, ad) in merges.items():
                 check_merge(f.tensors, name, prefix, ad, src)
-            log(f"{len(merges)} adapters from {adapter_file(adapters)}, alpha {alpha:g}")
+            log(f"{len(merges)} adapters from {adapters}, alpha {alpha:g}")
         out, report = {}, {}
         for i, (name, t) in enumerate(f.tensors.items()):
             stored = stored_type(t)
@@ -213,6 +288,14 @@ def export(src: str, dst: str, target: str = "verbatim", log=print, *, adapters=
             if name in merges:
                 t, why = merge(t, *merges[name])
                 steps.append(why)
+                stored = t.dtype
+            elif merges and target != "verbatim" and stored not in DENSE \
+                    and isinstance(t, fu.Tensor) and plan(name, "f32", tuple(t.shape),
+                                                          target)[0] != "f32":
+                # one command from a downloaded (quantized) base: its matrices are decoded
+                # exactly and written at the --dtype asked for, as the merged ones are
+                steps.append(f"{stored} decoded to f32")
+                t, stored = t.to("f32"), "f32"
             dtype, why = plan(name, stored, tuple(t.shape), target)
             if dtype != stored:
                 t = (t if stored == "f32" else t.to("f32")).to(dtype)
@@ -232,18 +315,30 @@ def export(src: str, dst: str, target: str = "verbatim", log=print, *, adapters=
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fucina export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--from-gguf", required=True, help="input GGUF file")
-    ap.add_argument("--out", required=True, help="output GGUF file (written atomically)")
+    ap.add_argument("--from-gguf", required=True, help="input GGUF file (the base model)")
+    ap.add_argument("--out", help="output GGUF file (written atomically)")
+    ap.add_argument("--lora-gguf", metavar="OUT.gguf",
+                    help="write the adapters as llama.cpp's LoRA adapter GGUF (no merge; "
+                         "llama.cpp serves base + adapter) instead of a model")
     ap.add_argument("--dtype", default="verbatim", choices=TARGETS,
                     help="transcode target (default verbatim); with --adapters it runs after the merge")
     ap.add_argument("--adapters", metavar="DIR_OR_FILE",
                     help="LoRA adapters to merge: an adapters safetensors file or a checkpoint "
                          "directory holding adapters.safetensors")
     ap.add_argument("--alpha", type=float,
-                    help="the adapters' training-time alpha (required with --adapters)")
+                    help="the adapters' training-time alpha (required with --adapters unless "
+                         "they are a PEFT directory, whose config records it)")
     args = ap.parse_args(argv)
+    if (args.out is None) == (args.lora_gguf is None):
+        ap.error("expected exactly one of --out (a model) or --lora-gguf (an adapter file)")
+    if args.lora_gguf is not None and (args.adapters is None or args.dtype != "verbatim"):
+        ap.error("--lora-gguf writes the --adapters as they are: expected --adapters, no --dtype")
     try:
-        export(args.from_gguf, args.out, args.dtype, adapters=args.adapters, alpha=args.alpha)
+        if args.lora_gguf is not None:
+            lora_gguf(args.from_gguf, args.lora_gguf, args.adapters, args.alpha)
+        else:
+            export(args.from_gguf, args.out, args.dtype, adapters=args.adapters,
+                   alpha=args.alpha)
     except (fu.FucinaError, ValueError, OSError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
