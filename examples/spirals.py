@@ -37,17 +37,16 @@ import argparse
 import importlib
 import math
 import os
-import struct
 import sys
 import tempfile
 import time
 import traceback
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 import fucina as fu
+from fucina.cli.plot import png_bytes
 from fucina.io import (MODEL_STATE_FILE, OPTIMIZER_STATE_FILE, TrainerState, begin_save,
                        load_trainer_state, save_trainer_state, step_dir, write_file_atomic)
 
@@ -442,19 +441,6 @@ def render_panel(prob: np.ndarray, x_np: np.ndarray, labels_np: np.ndarray) -> n
         patch[d2 <= 3.2 ** 2] = 255
         patch[d2 <= 2.2 ** 2] = COLORS[k] * 0.8
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
-
-
-def png_bytes(rgb: np.ndarray) -> bytes:
-    """An 8-bit RGB PNG (filter 0 on every row, one zlib IDAT)."""
-    h, w, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
-
-    def chunk(kind: bytes, payload: bytes) -> bytes:
-        return (struct.pack(">I", len(payload)) + kind + payload
-                + struct.pack(">I", zlib.crc32(kind + payload) & 0xFFFFFFFF))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
 def write_plot(path: str, panels: list, data: Data) -> None:

