@@ -24,7 +24,8 @@ from fucina.llm import tokenizer as tk
 from fucina.llm.qwen3 import Model, Targets, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = (ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE)
+FILES = (ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE,
+         "adapter_config.json", "adapter_model.safetensors")   # ours + the PEFT directory
 
 
 @pytest.fixture(scope="module")
@@ -625,3 +626,45 @@ def test_schedule_and_eval_bitwise_same_at_1_and_2_threads(tiny, tmp_path):
     assert evals[0] == evals[1]
     for name in FILES:
         assert read(tmp_path / "t1", name) == read(tmp_path / "t2", name), name
+
+
+def test_save_is_also_a_peft_directory_and_load_reads_one(tiny, tmp_path):
+    """Issue 16 item 4: --save writes adapter_config.json + adapter_model.safetensors beside
+    our files; --load of a bare PEFT directory starts from those adapters."""
+    from fucina.llm import peft
+    a = tmp_path / "a"
+    ft.run(ft.Options(model=str(tiny), steps=2, save=str(a), sample=False, threads=1),
+           out=lambda *_: None)
+    ctx = fu.ExecContext(threads=1)
+    model = fu.llm.qwen3.Model.from_gguf(ctx, str(tiny))
+    back = peft.read(a, model.config)
+    ours = peft.read(str(a / "adapters.safetensors"), model.config, alpha=16.0)
+    assert back.source == "peft" and back.alpha == 16.0 and back.rank == 8
+    for name, t in ours.tensors.items():
+        assert np.array_equal(back.tensors[name], t), name
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in (peft.CONFIG_FILE, peft.WEIGHTS_FILE):
+        (bare / f).write_bytes((a / f).read_bytes())
+    lines = []
+    r = ft.run(ft.Options(model=str(tiny), steps=0, load=str(bare), save=str(tmp_path / "b"),
+                          sample=False, threads=1), out=lines.append)
+    got = peft.read(str(tmp_path / "b" / "adapters.safetensors"), model.config, alpha=16.0)
+    for name, t in ours.tensors.items():
+        assert np.array_equal(got.tensors[name], t), name
+    with pytest.raises(fu.CheckpointConfigMismatch, match="rank 8"):
+        ft.run(ft.Options(model=str(tiny), steps=0, load=str(bare), rank=4, sample=False,
+                          save=str(tmp_path / "c"), threads=1), out=lambda *_: None)
+
+
+def test_ray_data_parallel_windows_are_bitwise_the_single_process_run(tiny, tmp_path):
+    """Issue 19 item 3: --ray with --accum-steps N saves byte-identical adapters."""
+    pytest.importorskip("ray")
+    common = dict(model=str(tiny), steps=3, accum_steps=3, sample=False, threads=1)
+    ft.run(ft.Options(**common, save=str(tmp_path / "one")), out=lambda *_: None)
+    ft.run(ft.Options(**common, save=str(tmp_path / "ray"), ray="local", actors=2),
+           out=lambda *_: None)
+    import ray
+    ray.shutdown()
+    for f in ("adapters.safetensors", "optimizer.fucina"):
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "ray" / f).read_bytes(), f

