@@ -99,3 +99,10 @@ def test_command_line(tiny, tmp_path):
             "--reward", "nll", "--save", str(tmp_path / "y"))
     assert p.returncode == 0, p.stderr
     assert "iter    1/1  reward mean" in p.stdout and "saved" in p.stdout
+
+
+def test_llama_architecture(tmp_path):
+    llama = str(build_tiny_model(tmp_path / "llama.gguf", seed=9, arch="llama"))
+    for mode in ("lora", "full"):
+        r = ef.run(opts(llama, tmp_path / mode, mode=mode, reward="rule"), out=quiet)
+        assert r.iterations == 2
