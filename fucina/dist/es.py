@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from .. import es as _es
 from ..errors import InvalidConfig, ReplicaOutOfSync, RewardCountMismatch, WorkersLost
-from .ray import connect
+from .ray import Actors
 
 __all__ = ["EsCluster", "Replica", "RESNAPSHOT_AFTER"]
 
@@ -133,7 +133,7 @@ class _EsActor:
         return os.getpid()
 
 
-class EsCluster:
+class EsCluster(Actors):
     """ES member evaluation on `actors` Ray actors (one CPU each unless `cpus_per_actor`), in
     step with the driver's `trainer` (θ registered in `registry`; `adapters` as in
     es.Trainer.save_checkpoint). ray: "local" (a private cluster on this machine), "auto" (the
@@ -148,12 +148,9 @@ class EsCluster:
                 raise InvalidConfig(f"{where}: {name}: expected an int >= 1, got {v!r}")
         if not isinstance(trainer, _es.Trainer):
             raise TypeError(f"{where}: expected an es.Trainer, got {type(trainer).__name__}")
-        self._ray = connect(ray, num_cpus=None)
+        super().__init__(_EsActor, (build_replica,), actors, ray, cpus_per_actor)
         self.trainer, self.registry, self.adapters = trainer, registry, adapters
         self.block = block
-        remote = self._ray.remote(num_cpus=cpus_per_actor, max_restarts=-1, max_task_retries=0)
-        cls = remote(_EsActor)
-        self.actors = [cls.remote(build_replica) for _ in range(int(actors))]
         self.restored = 0            # how many times an actor was brought back (for reports)
         self._snap_ref, self._history = None, []
         self._resnapshot()
@@ -268,14 +265,3 @@ class EsCluster:
             raise ReplicaOutOfSync(f"fucina.dist.EsCluster.verify: actors {bad} hold a θ that differs "
                                    f"from the driver's (sha256 {want[:12]}…)")
         return want
-
-    def close(self) -> None:
-        for a in self.actors:
-            self._ray.kill(a)
-        self.actors = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from ..errors import InvalidConfig, WorkersLost
-from .ray import connect
+from .ray import Actors
 
 __all__ = ["GradCluster"]
 
@@ -71,7 +71,7 @@ class _GradActor:
         return value, out
 
 
-class GradCluster:
+class GradCluster(Actors):
     """Micro-batch gradients of `trainer`'s adapters on `actors` Ray actors (see the module
     docstring); `build()` must construct, inside an actor, a trainer of the same model, targets,
     rank, alpha, dropout and seed."""
@@ -81,12 +81,9 @@ class GradCluster:
         if isinstance(actors, bool) or not isinstance(actors, numbers.Integral) or actors < 1:
             raise InvalidConfig(f"fucina.dist.GradCluster: actors: expected an int >= 1, got "
                                 f"{actors!r}")
-        self._ray = connect(ray)
+        super().__init__(_GradActor, (build,), actors, ray, cpus_per_actor)
         self.trainer = trainer
         self.leaves = [t for _, ad in trainer.named_adapters() for t in (ad.a, ad.b)]
-        remote = self._ray.remote(num_cpus=cpus_per_actor, max_restarts=-1, max_task_retries=0)
-        cls = remote(_GradActor)
-        self.actors = [cls.remote(build) for _ in range(int(actors))]
         self.version, self._blob_ref = -1, None
         self.restarts = 0
 
@@ -158,14 +155,3 @@ class GradCluster:
                 leaf.backward(grad=ctx.tensor(np.asarray(g, dtype=np.float32), leaf.tags))
         self.trainer.step_counter = step0 + len(window)
         return [loss for loss, _ in results]
-
-    def close(self) -> None:
-        for a in self.actors:
-            self._ray.kill(a)
-        self.actors = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -36,3 +36,26 @@ def connect(where: str = "local", num_cpus: int | None = None):
         raise RayUnavailable(f"fucina.dist.connect: could not {'start' if where == 'local' else 'join'}"
                              f" Ray at {where!r}: {type(e).__name__}: {e}") from None
     return ray
+
+
+class Actors:
+    """What every fucina.dist cluster shares: `actors` built from one actor class on Ray
+    (restarted by Ray when lost: max_restarts), closed together."""
+
+    def __init__(self, body, args, count: int, where: str, cpus_per_actor: float = 1):
+        self._ray = connect(where)
+        remote = self._ray.remote(num_cpus=cpus_per_actor, max_restarts=-1, max_task_retries=0)
+        cls = remote(body)
+        self.actors = [cls.remote(*args) for _ in range(int(count))]
+
+    def close(self) -> None:
+        for a in self.actors:
+            self._ray.kill(a)
+        self.actors = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
