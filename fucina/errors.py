@@ -162,4 +162,15 @@ class UnsupportedTokenizer(LlmError, ValueError):
     """The GGUF tokenizer is not one fucina.llm implements, or its metadata is inconsistent.
     Not in the SPEC catalogue: the reference reports these as untyped load errors."""
 
+
+class ChecksumMismatch(FucinaError):
+    """Stored bytes differ from the checksum saved with them (a flipped or truncated file, a
+    checkpoint directory whose manifest disagrees with a payload); the message names the file."""
+
+
+class InvalidOptimizerConfig(OptimError, ValueError):
+    """An optimizer or lr-schedule setting outside its domain (negative or non-finite lr,
+    eps <= 0, betas outside [0, 1), ...), refused at construction as torch refuses it."""
+
+
 __all__ = [n for n, v in globals().items() if isinstance(v, type) and issubclass(v, FucinaError)]

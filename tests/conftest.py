@@ -69,9 +69,9 @@ def feed_grad(ctx, w, g):
 
 
 def state_bytes(opt) -> bytes:
-    """The optimizer's save_state frame as bytes."""
+    """The optimizer's bare save_state frame (SPEC T-17 bytes, without the CRC32 envelope)."""
     f = io.BytesIO()
-    opt.save_state(f)
+    opt.save_state(f, checksum=False)
     return f.getvalue()
 
 

@@ -807,7 +807,8 @@ def test_checkpoint_files_and_fields(ctx1, tmp_path):
     tr.add_registry(reg)
     tr.update([1.0, 2.0, 3.0, 4.0])
     tr.save_checkpoint(tmp_path, reg)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "trainer_state.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checksums.json", "model.safetensors",
+                                                          "trainer_state.json"]
     state = fu.io.load_trainer_state(tmp_path)
     assert (state.seed, state.es_iteration, state.es_population, state.es_noise,
             state.es_antithetic, state.es_anchor_decay) == (77, 1, 4, 0, 0, 0)

@@ -644,7 +644,7 @@ def test_resume_is_bit_exact(ctx1, tmp_path):
     train(tr, p, g1, 2)
     tr.save_checkpoint(tmp_path / "ck", reg)
     assert sorted(x.name for x in (tmp_path / "ck").iterdir()) == \
-        ["model.safetensors", "ternary.gguf", "trainer_state.json"]
+        ["checksums.json", "model.safetensors", "ternary.gguf", "trainer_state.json"]
     f = fu.gguf.read(tmp_path / "ck" / "ternary.gguf", ctx1)
     assert list(f.tensors) == ["g1", "ternary.1"] and f.tensors["g1"].dtype == "tq2_0"
     assert np.array_equal(f.tensors["g1"].data_const(), g1.data_const())
@@ -712,6 +712,7 @@ def test_checkpoint_load_errors_change_nothing(ctx1, tmp_path):
     bad.data()[0, 0] = 0xFF
     corrupt["ternary.1"] = bad
     fu.gguf.write(tmp_path / "ck" / "ternary.gguf", corrupt, {})
+    fu.io.write_manifest(tmp_path / "ck")  # a deliberate rewrite: re-seal checksums.json
     del f, corrupt, bad
     with pytest.raises(fu.InvalidConfig, match="crumb code 3"):
         tr2.load_checkpoint(tmp_path / "ck", reg2)

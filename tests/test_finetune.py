@@ -315,7 +315,7 @@ def test_other_modes_train(tiny, tmp_path):
     q8 = build_tiny_model(tmp_path / "q8.gguf", seed=42, dtype="q8_0")
     r = run(opts(q8, steps=8, widen_frozen=False, state_dtype="bf16", save=str(tmp_path / "q")))
     assert r.steps[-1].loss < r.steps[0].loss
-    assert read(tmp_path / "q", OPTIMIZER_STATE_FILE)[8:12] == b"FZA4"   # bf16 m: a v4 frame
+    assert read(tmp_path / "q", OPTIMIZER_STATE_FILE)[20:24] == b"FZA4"  # bf16 m: v4 (in FZC1)
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps({"instruction": f"Say {w}.", "response": f"Ahoy! {w}!"})
                               for w in ("one", "two", "three")) + "\n")

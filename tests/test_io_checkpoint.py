@@ -81,7 +81,7 @@ def test_directory_round_trip(tmp_path):
     bare = fu.io.load_trainer_state(str(d))
     assert (bare.step, bare.seed, bare.version) == (3, 7, 1)
     assert bare.accum_steps is None and bare.es_sigma is None and bare.data_index is None
-    assert sorted(os.listdir(d)) == [fu.io.TRAINER_STATE_FILE]
+    assert sorted(os.listdir(d)) == [fu.io.MANIFEST_FILE, fu.io.TRAINER_STATE_FILE]
 
 
 def _sentinel(tmp_path, text):
@@ -264,3 +264,176 @@ def test_random_sentinel_corruptions(tmp_path):
         if s is not None:  # whatever loaded is a valid state that formats again
             fu.io.format_trainer_state(s)
     assert all(outcomes.values()), outcomes
+
+
+# ---- no litter: killed saves (issue 20 item 1) ----------------------------------------------
+
+_KILLED_SAVER = r"""
+import os, sys
+import fucina.io.checkpoint as c
+if sys.argv[2] == "named":
+    c._open_unnamed = lambda parent: None   # the fallback path of systems without O_TMPFILE
+def writer(f):
+    chunk = b"\xab" * (1 << 20)
+    for i in range(1 << 16):                 # 64 GiB: never finishes before the kill
+        f.write(chunk)
+        if i == 8:
+            f.flush()
+            print("writing", flush=True)
+c.write_file_atomic(sys.argv[1], writer)
+"""
+
+
+def _kill_mid_save(path, mode):
+    import signal
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(path), mode],
+                         stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert p.stdout.readline() == b"writing\n"
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+    assert p.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("mode", ["unnamed", "named"])
+def test_killed_saves_leave_no_litter(tmp_path, mode):
+    """SIGKILL in the middle of a large write, three times over: the previous file is intact
+    each time, and the next save leaves the directory clean (an O_TMPFILE file has no name to
+    leave; a named temp of a dead pid is removed)."""
+    p = tmp_path / "state.bin"
+    fu.io.write_file_atomic(p, lambda f: f.write(b"previous"))
+    for _ in range(3):
+        _kill_mid_save(p, mode)
+        assert p.read_bytes() == b"previous"
+        litter = [n for n in os.listdir(tmp_path) if n != "state.bin"]
+        assert len(litter) == (1 if mode == "named" else 0), litter
+    fu.io.write_file_atomic(p, lambda f: f.write(b"next"))
+    assert os.listdir(tmp_path) == ["state.bin"] and p.read_bytes() == b"next"
+
+
+def test_stale_temp_rules(tmp_path):
+    """Only our pattern, only this host, only writers that cannot still be running."""
+    from fucina.io import checkpoint as c
+    host = c._HOST_TAG
+    other = format(int(host, 16) ^ 1, "08x")
+    live_old = os.getppid()  # alive, and started before the files below were written
+    names = {
+        f"a.bin.tmp.999999999.{host}00000000": True,          # dead pid: stale
+        f"a.bin.tmp.{live_old}.{host}00000001": False,        # a live writer
+        f"a.bin.tmp.{os.getpid()}.{host}00000002": False,     # this process (another thread)
+        f"a.bin.tmp.999999999.{other}00000003": False,        # another host's writer
+        "a.bin.tmp.999999999.00000004": False,                # the pre-host-tag pattern
+        f"a.bin.tmp.999999999.{host}0000000": False,          # not our pattern
+        f"a.bin.tmp.999999999.{host}00000005.bak": False,
+        "notes.txt": False,
+    }
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    reused = tmp_path / f"b.bin.tmp.{live_old}.{host}00000006"  # the pid was reused since
+    reused.write_bytes(b"x")
+    os.utime(reused, (0, 0))
+    names[reused.name] = True
+    (tmp_path / f"c.tmp.999999999.{host}00000007").mkdir()  # a directory: never touched
+    names[f"c.tmp.999999999.{host}00000007"] = False
+    removed = fu.io.remove_stale_temps(tmp_path)
+    assert sorted(os.path.basename(r) for r in removed) == sorted(n for n, s in names.items() if s)
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, s in names.items() if not s)
+    assert fu.io.remove_stale_temps(tmp_path / "missing") == []
+
+
+def test_write_file_atomic_without_link(tmp_path, monkeypatch):
+    """Where the kernel refuses to link an O_TMPFILE file, its bytes are copied to a named temp."""
+    from fucina.io import checkpoint as c
+    real_link = os.link
+
+    def refuse(src, dst, **kw):
+        if kw.get("src_dir_fd") is not None:
+            raise OSError(18, "Invalid cross-device link")
+        return real_link(src, dst, **kw)
+    monkeypatch.setattr(os, "link", refuse)
+    data = bytes(range(256)) * 9000
+    fu.io.write_file_atomic(tmp_path / "x", lambda f: f.write(data))
+    assert (tmp_path / "x").read_bytes() == data and os.listdir(tmp_path) == ["x"]
+    monkeypatch.setattr(c, "_open_unnamed", lambda parent: None)
+    fu.io.write_file_atomic(tmp_path / "x", lambda f: f.write(b"named"))
+    assert (tmp_path / "x").read_bytes() == b"named" and os.listdir(tmp_path) == ["x"]
+
+
+# ---- the checksum manifest (issue 20 item 2) ------------------------------------------------
+
+def _committed(ctx1, d):
+    model = Mlp(ctx1, 0)
+    reg = ParamRegistry()
+    reg.collect(model)
+    _save_checkpoint(d, reg, 1000)
+    return reg
+
+
+def test_manifest_written_before_the_sentinel_and_verified(ctx1, tmp_path):
+    import hashlib
+    import json
+    d = tmp_path / "ckpt"
+    _committed(ctx1, d)
+    assert sorted(os.listdir(d)) == [fu.io.MANIFEST_FILE, fu.io.MODEL_STATE_FILE,
+                                     fu.io.OPTIMIZER_STATE_FILE, fu.io.TRAINER_STATE_FILE]
+    m = json.loads((d / fu.io.MANIFEST_FILE).read_bytes())
+    assert m["format"] == "fucina.checksums" and m["version"] == 1
+    for name in (fu.io.MODEL_STATE_FILE, fu.io.OPTIMIZER_STATE_FILE):
+        raw = (d / name).read_bytes()
+        assert m["files"][name] == {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+    assert sorted(m["files"]) == [fu.io.MODEL_STATE_FILE, fu.io.OPTIMIZER_STATE_FILE]
+    assert fu.io.verify_checkpoint(d) is True
+    assert fu.io.load_trainer_state(d).step == 1000
+    fu.io.begin_save(d)  # a new save drops the sentinel and the manifest first
+    assert not (d / fu.io.MANIFEST_FILE).exists() and fu.io.load_trainer_state(d) is None
+
+
+@pytest.mark.parametrize("victim", [fu.io.MODEL_STATE_FILE, fu.io.OPTIMIZER_STATE_FILE])
+def test_flipped_payload_byte_is_named(ctx1, tmp_path, victim):
+    d = tmp_path / "ckpt"
+    _committed(ctx1, d)
+    good = (d / victim).read_bytes()
+    rng = random.Random(7)
+    for pos in sorted(rng.sample(range(len(good)), 6)) + [len(good) - 1]:
+        bad = bytearray(good)
+        bad[pos] ^= 1 << rng.randrange(8)
+        (d / victim).write_bytes(bytes(bad))
+        with pytest.raises(fu.ChecksumMismatch, match=rf"{victim}: expected sha256"):
+            fu.io.load_trainer_state(d)
+    (d / victim).write_bytes(good[:-1])
+    with pytest.raises(fu.ChecksumMismatch, match=rf"{victim}: expected sha256 .*got .*\({len(good) - 1} bytes\)"):
+        fu.io.load_trainer_state(d)
+    (d / victim).unlink()
+    with pytest.raises(fu.ChecksumMismatch, match=rf"{victim}: listed in checksums.json but missing"):
+        fu.io.load_trainer_state(d)
+    (d / victim).write_bytes(good)
+    assert fu.io.load_trainer_state(d).step == 1000
+
+
+@pytest.mark.parametrize("text", [b"", b"{", b"[]", b'{"format": "x", "version": 1, "files": {}}',
+                                  b'{"format": "fucina.checksums", "version": 2, "files": {}}',
+                                  b'{"format": "fucina.checksums", "version": 1, "files": []}',
+                                  b'{"format": "fucina.checksums", "version": 1, "files": {"a": 1}}',
+                                  b'{"format": "fucina.checksums", "version": 1, "files": '
+                                  b'{"a": {"sha256": "00", "size": -1.5}}}',
+                                  b'{"format": "fucina.checksums", "version": 1, "files": '
+                                  b'{"../x": {"sha256": "00", "size": 1}}}'])
+def test_corrupt_manifest(ctx1, tmp_path, text):
+    d = tmp_path / "ckpt"
+    _committed(ctx1, d)
+    (d / fu.io.MANIFEST_FILE).write_bytes(text)
+    with pytest.raises(fu.ChecksumMismatch, match="checksums.json"):
+        fu.io.load_trainer_state(d)
+
+
+def test_directories_without_manifest_still_load(ctx1, tmp_path):
+    d = tmp_path / "old"
+    _committed(ctx1, d)
+    (d / fu.io.MANIFEST_FILE).unlink()  # a checkpoint from before manifests
+    assert fu.io.verify_checkpoint(d) is False
+    assert fu.io.load_trainer_state(d).step == 1000
+    (d / fu.io.MODEL_STATE_FILE).write_bytes(b"anything: nothing to check it against")
+    assert fu.io.load_trainer_state(d).step == 1000

@@ -2,6 +2,7 @@
 import io
 import random
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -15,11 +16,13 @@ def _vals(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def _expected_bytes(arrays):
-    out = b"FZT1" + struct.pack("<I", len(arrays))
+def _expected_bytes(arrays, checked=False):
+    out = (b"FZT2" if checked else b"FZT1") + struct.pack("<I", len(arrays))
     for a in arrays:
         out += struct.pack("<I", a.ndim) + b"".join(struct.pack("<Q", d) for d in a.shape)
         out += a.astype("<f4").tobytes()
+        if checked:
+            out += struct.pack("<I", zlib.crc32(out))
     return out
 
 
@@ -49,11 +52,46 @@ def _snapshot(tensors):
 def test_exact_bytes(ctx1):
     arrays, tensors = _model(ctx1)
     f = io.BytesIO()
-    fu.io.save_tensors(f, tensors)
+    fu.io.save_tensors(f, tensors, checksum=False)  # the SPEC T-15 bytes
     assert f.getvalue() == _expected_bytes(arrays)
     f = io.BytesIO()
-    fu.io.save_tensors(f, [])
+    fu.io.save_tensors(f, tensors)  # the default: FZT2, a running CRC32 after each tensor
+    assert f.getvalue() == _expected_bytes(arrays, checked=True)
+    f = io.BytesIO()
+    fu.io.save_tensors(f, [], checksum=False)
     assert f.getvalue() == b"FZT1\x00\x00\x00\x00"
+    f = io.BytesIO()
+    fu.io.save_tensors(f, [])
+    assert f.getvalue() == b"FZT2\x00\x00\x00\x00"
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_both_versions_load(ctx1, checked):
+    arrays, _ = _model(ctx1)
+    dest = _fresh(ctx1, arrays)
+    fu.io.load_tensors(io.BytesIO(_expected_bytes(arrays, checked)), dest)
+    for a, t in zip(arrays, dest):
+        np.testing.assert_array_equal(bits(t.data_const()), bits(a))
+
+
+def test_every_flipped_byte_is_caught(ctx1):
+    """FZT2: a flip anywhere is a clear error (ChecksumMismatch inside the data) and leaves
+    every destination unchanged; FZT1 cannot see data flips (why FZT2 exists)."""
+    arrays, tensors = _model(ctx1)
+    good = _expected_bytes(arrays, checked=True)
+    dest = _fresh(ctx1, arrays)
+    before = _snapshot(dest)
+    data_flips = 0
+    for pos in range(len(good)):
+        bad = bytearray(good)
+        bad[pos] ^= 0x10
+        with pytest.raises((fu.ChecksumMismatch, fu.CheckpointShapeMismatch,
+                            fu.CheckpointMagicMismatch, fu.InvalidDataLength)) as e:
+            fu.io.load_tensors(io.BytesIO(bytes(bad)), dest)
+        data_flips += e.type is fu.ChecksumMismatch
+        for b, t in zip(before, dest):
+            np.testing.assert_array_equal(bits(t.data_const()), b)
+    assert data_flips >= 4 * (6 + 4 + 1 + 6)  # every data byte (and every crc byte)
 
 
 def test_round_trip_stream_and_path(ctx1, tmp_path):
@@ -71,7 +109,7 @@ def test_round_trip_stream_and_path(ctx1, tmp_path):
 
     path = tmp_path / "params.fzt"
     fu.io.save_tensors(path, tensors)
-    assert path.read_bytes() == _expected_bytes(arrays)
+    assert path.read_bytes() == _expected_bytes(arrays, checked=True)
     dest = _fresh(ctx1, arrays)
     fu.io.load_tensors(str(path), dest)
     for a, t in zip(arrays, dest):
@@ -134,7 +172,8 @@ def test_load_errors_leave_destinations_unchanged(ctx1):
         for b, t in zip(before, dest):
             np.testing.assert_array_equal(bits(t.data_const()), b)
 
-    check(b"FZT2" + good[4:], fu.CheckpointMagicMismatch, r"expected magic b'FZT1', got b'FZT2'")
+    check(b"FZT3" + good[4:], fu.CheckpointMagicMismatch,
+          r"expected magic b'FZT1' or b'FZT2', got b'FZT3'")
     check(good, fu.CheckpointShapeMismatch, "expected 3 tensors, the file holds 4", arrays[:3])
     check(good, fu.CheckpointShapeMismatch, "expected 5 tensors, the file holds 4",
           arrays + [arrays[0]])
@@ -143,7 +182,11 @@ def test_load_errors_leave_destinations_unchanged(ctx1):
     wrong_dims = [arrays[0], arrays[1], arrays[2], arrays[3].reshape(2, 3, 1)]
     check(good, fu.CheckpointShapeMismatch, r"tensor 3: expected shape \(2, 3, 1\).*\(2, 1, 3\)",
           wrong_dims)
-    check(good[:-1], fu.InvalidDataLength, "tensor 3's data: expected 24 bytes, got 23")
+    check(good[:-5], fu.InvalidDataLength, "tensor 3's data: expected 24 bytes, got 23")
+    check(good[:-1], fu.InvalidDataLength, "tensor 3's CRC32: expected 4 bytes, got 3")
+    flipped = bytearray(good)
+    flipped[-6] ^= 1
+    check(bytes(flipped), fu.ChecksumMismatch, r"load_tensors\(<stream>\): tensor 3: expected CRC32")
     check(b"", fu.InvalidDataLength, "the FZT1 magic")
 
     w = ctx1.tensor(_vals((3, 4), 0), ("a", "b"))
@@ -171,12 +214,14 @@ def test_truncation_at_every_byte(ctx1):
         np.testing.assert_array_equal(bits(t.data_const()), bits(a))
 
 
-def test_random_corruptions(ctx1):
+@pytest.mark.parametrize("checksum", [False, True])
+def test_random_corruptions(ctx1, checksum):
     """Hundreds of corrupted files: each raises a FucinaError (destinations unchanged) or loads
-    exactly what the file says (re-saving reproduces the bytes that were read)."""
+    exactly what the file says (re-saving reproduces the bytes that were read). FZT2 loads only
+    what is byte-identical to the saved file (a corruption past its end)."""
     arrays, tensors = _model(ctx1)
     f = io.BytesIO()
-    fu.io.save_tensors(f, tensors)
+    fu.io.save_tensors(f, tensors, checksum=checksum)
     good = f.getvalue()
     rng = random.Random(1234)
     dest = _fresh(ctx1, arrays)
@@ -205,9 +250,14 @@ def test_random_corruptions(ctx1):
             continue
         outcomes["loaded"] += 1
         out = io.BytesIO()
-        fu.io.save_tensors(out, dest)
+        fu.io.save_tensors(out, dest, checksum=checksum)
         assert bytes(data[:len(out.getvalue())]) == out.getvalue()
-    assert outcomes["error"] > 100 and outcomes["loaded"] > 20, outcomes
+        if checksum:
+            assert bytes(data[:len(good)]) == good
+    if checksum:
+        assert outcomes["error"] > 380, outcomes
+    else:
+        assert outcomes["error"] > 100 and outcomes["loaded"] > 20, outcomes
 
 
 def test_contiguous_views_with_offset(ctx1):
@@ -216,7 +266,7 @@ def test_contiguous_views_with_offset(ctx1):
     w = ctx1.tensor(base, ("r", "c"))
     f = io.BytesIO()
     fu.io.save_tensors(f, [w.narrow("r", 1, 2)])
-    assert f.getvalue() == _expected_bytes([base[1:3]])
+    assert f.getvalue() == _expected_bytes([base[1:3]], checked=True)
     dest = ctx1.variable(np.zeros((4, 3), np.float32), ("r", "c"))
     f.seek(0)
     fu.io.load_tensors(f, [dest.detach().narrow("r", 2, 2)])

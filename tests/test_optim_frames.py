@@ -460,3 +460,120 @@ def test_bit_exact_resume_of_a_set(ctx1, ctx2):
     for a, b in zip(ref_ps, ps2):
         assert_bitwise(a._raw.storage_view(), b._raw.storage_view())
     assert save(ref) == save(g2)
+
+
+# ---- the CRC32 envelope (issue 20 item 2) ----------------------------------------------------
+
+def _ck_trained(ctx, kind="AdamW", seed=0, **options):
+    rng = np.random.default_rng(seed)
+    w = ctx.variable(rng.standard_normal((3, 5)).astype(F), ("o", "i"))
+    b = ctx.variable(rng.standard_normal(5).astype(F), ("i",))
+    opt = getattr(fu.optim, kind)(lr=0.01, **options)
+    opt.add_param_named(w, "w")
+    opt.add_param_named(b, "b")
+    for _ in range(2):
+        feed(ctx, w, rng.standard_normal((3, 5)))
+        feed(ctx, b, rng.standard_normal(5))
+        opt.step()
+        opt.zero_grad()
+    return opt, w, b
+
+
+def _enveloped(opt) -> bytes:
+    f = io.BytesIO()
+    opt.save_state(f)
+    return f.getvalue()
+
+
+@pytest.mark.parametrize("kind,options", [("AdamW", {}), ("Adam", {}), ("SGD", {"momentum": 0.9}),
+                                          ("Muon", {}), ("Apollo", {"rank": 2})])
+def test_envelope_bytes_and_round_trip(ctx, kind, options):
+    import zlib
+    opt, *_ = _ck_trained(ctx, kind, **options)
+    bare, data = save(opt), _enveloped(opt)
+    assert data == b"FZC1" + u64(len(bare)) + bare + struct.pack("<I", zlib.crc32(bare))
+    fresh, *_ = _ck_trained(ctx, kind, seed=1, **options)
+    load(fresh, data)
+    assert save(fresh) == bare
+    fresh2, *_ = _ck_trained(ctx, kind, seed=2, **options)
+    load(fresh2, bare)  # frames from before the envelope still load
+    assert save(fresh2) == bare
+
+
+def test_set_envelope(ctx):
+    import zlib
+    a, *_ = _ck_trained(ctx, "AdamW")
+    s, *_ = _ck_trained(ctx, "SGD", seed=3, momentum=0.5)
+    group = fu.optim.OptimizerSet([a, s])
+    f = io.BytesIO()
+    group.save_state(f)
+    bare = io.BytesIO()
+    group.save_state(bare, checksum=False)
+    bare = bare.getvalue()
+    assert f.getvalue() == b"FZC1" + u64(len(bare)) + bare + struct.pack("<I", zlib.crc32(bare))
+    a2, *_ = _ck_trained(ctx, "AdamW", seed=4)
+    s2, *_ = _ck_trained(ctx, "SGD", seed=5, momentum=0.5)
+    g2 = fu.optim.OptimizerSet([a2, s2])
+    g2.load_state(io.BytesIO(f.getvalue()))
+    assert save(a2) == save(a) and save(s2) == save(s)
+    bad = bytearray(f.getvalue())
+    bad[-10] ^= 4
+    a3, *_ = _ck_trained(ctx, "AdamW", seed=6)
+    s3, *_ = _ck_trained(ctx, "SGD", seed=7, momentum=0.5)
+    before = (save(a3), save(s3))
+    with pytest.raises(fu.ChecksumMismatch, match="OptimizerSet.load_state"):
+        fu.optim.OptimizerSet([a3, s3]).load_state(io.BytesIO(bytes(bad)))
+    assert (save(a3), save(s3)) == before
+
+
+def test_every_flipped_byte_is_caught(ctx1):
+    """Each single-bit flip anywhere in an enveloped AdamW frame: a FucinaError, the optimizer
+    unchanged; flips in the state data (which no structural check can see) are ChecksumMismatch,
+    and so are flips in names / dims (a corrupt file, not a changed model)."""
+    opt, *_ = _ck_trained(ctx1)
+    data = _enveloped(opt)
+    target, *_ = _ck_trained(ctx1, seed=9)
+    before = save(target)
+    kinds = {}
+    for pos in range(len(data)):
+        bad = bytearray(data)
+        bad[pos] ^= 1 << (pos % 8)
+        with pytest.raises(fu.FucinaError) as e:
+            load(target, bytes(bad))
+        kinds[e.type.__name__] = kinds.get(e.type.__name__, 0) + 1
+        assert save(target) == before
+    # only the envelope magic (bare-frame path) and its length field can fail another way
+    assert kinds["ChecksumMismatch"] >= len(data) - 4 - 8, kinds
+
+
+def test_envelope_errors(ctx1, tmp_path):
+    opt, *_ = _ck_trained(ctx1)
+    data = _enveloped(opt)
+    target, *_ = _ck_trained(ctx1, seed=9)
+    before = save(target)
+    for cut in range(len(data)):  # truncation anywhere: InvalidDataLength
+        with pytest.raises(fu.InvalidDataLength):
+            load(target, data[:cut])
+    n = len(data) - 16
+    longer = data[:4] + u64(n + 3) + data[12:]
+    with pytest.raises(fu.ChecksumMismatch, match=f"the frame is {n} bytes, its envelope says {n + 3}"):
+        load(target, longer)
+    shorter = data[:4] + u64(n - 3) + data[12:]
+    with pytest.raises(fu.ChecksumMismatch, match="the stream ended inside .* does not match|"
+                                                  "does not match its CRC32 .*the stream ended"):
+        load(target, shorter)
+    # a structural mismatch in an intact envelope is reported as itself (the model changed)
+    other = fu.optim.AdamW(lr=0.01)
+    w = ctx1.variable(np.zeros((3, 5), F), ("o", "i"))
+    other.add_param_named(w, "renamed")
+    b = ctx1.variable(np.zeros(5, F), ("i",))
+    other.add_param_named(b, "b")
+    with pytest.raises(fu.CheckpointUnknownName):
+        load(other, data)
+    path = tmp_path / "optimizer.fucina"
+    bad = bytearray(data)
+    bad[-20] ^= 1
+    path.write_bytes(bytes(bad))
+    with open(path, "rb") as f, pytest.raises(fu.ChecksumMismatch, match="optimizer.fucina"):
+        target.load_state(f)
+    assert save(target) == before

@@ -191,7 +191,7 @@ def test_short_demo_reaches_100_percent(tmp_path, monkeypatch):
         # T-19 directory: begin_save (drops the old sentinel), payloads, sentinel last
         ck = os.path.join(tmp_path, "ck", r.name, "checkpoint-step-250")
         assert r.checkpoint == ck
-        assert sorted(os.listdir(ck)) == ["model.safetensors", "optimizer.fucina",
+        assert sorted(os.listdir(ck)) == ["checksums.json", "model.safetensors", "optimizer.fucina",
                                           "trainer_state.json"]
         mine = [(w, os.path.basename(p)) for w, p in writes if p.startswith(ck)]
         assert mine == [("begin_save", "checkpoint-step-250"),
@@ -204,10 +204,11 @@ def test_short_demo_reaches_100_percent(tmp_path, monkeypatch):
         assert sorted(tensors) == sorted(NAMES)
         assert all(v.dtype == np.float32 for v in tensors.values())
         with open(os.path.join(ck, "optimizer.fucina"), "rb") as f:
-            assert f.read(4) == MAGICS[r.name]
+            assert f.read(16)[12:] == MAGICS[r.name]  # inside the FZC1 | u64 length envelope
 
         # the final weights: a model-only checkpoint; the constant twin's accuracy is theirs
-        assert sorted(os.listdir(r.final)) == ["model.safetensors", "trainer_state.json"]
+        assert sorted(os.listdir(r.final)) == ["checksums.json", "model.safetensors",
+                                               "trainer_state.json"]
         final = load_file(os.path.join(r.final, "model.safetensors"))
         assert np.mean(numpy_forward(final, x_np).argmax(1) == labels_np) == r.accuracy == 1.0
 
@@ -250,7 +251,7 @@ def test_resume_is_bit_exact_for_every_optimizer(saved_all):
         assert r.resumed_from == RESUME_STEPS // 2
         assert r.max_delta == 0.0, r.name
         with open(os.path.join(r.checkpoint, "optimizer.fucina"), "rb") as f:
-            assert f.read(4) == MAGICS[r.name]
+            assert f.read(16)[12:] == MAGICS[r.name]  # inside the FZC1 | u64 length envelope
     assert sum("bit-exact @120" in ln for ln in lines) == len(sp.OPTIMIZERS)
 
 
@@ -287,6 +288,7 @@ def test_a_perturbed_checkpoint_is_caught(saved_all, tmp_path, monkeypatch):
     tensors = load_file(path)
     tensors["w2"][3, 5] = np.nextafter(tensors["w2"][3, 5], np.float32(1))
     save_file(tensors, path)
+    fu.io.write_manifest(dst / "checkpoint-step-120")  # a deliberate edit: re-seal checksums.json
     with pytest.raises(sp.ResumeNotBitExact, match=r"adamw.*max\|Δ\|"):
         sp.run(steps=RESUME_STEPS, optimizers="adamw", load=str(tmp_path),
                save=str(tmp_path / "out"), threads=1, out=lambda *a: None)

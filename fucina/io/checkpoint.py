@@ -4,27 +4,40 @@
     begin_save(d)                                   # mkdir -p, delete the old sentinel first
     write_file_atomic(d / MODEL_STATE_FILE, registry.save_state_dict)
     write_file_atomic(d / OPTIMIZER_STATE_FILE, opt.save_state)
-    save_trainer_state(d, TrainerState(step=1000, seed=42))
+    save_trainer_state(d, TrainerState(step=1000, seed=42))  # checksums.json, then the sentinel
     state = load_trainer_state(d)                   # None: no complete checkpoint here
 
 A crash anywhere before the sentinel lands leaves a directory without a parseable sentinel,
-which readers treat as absent; a crash inside one payload write leaves the previous file intact.
+which readers treat as absent; a crash inside one payload write leaves the previous file intact,
+and its temp file is either nameless (O_TMPFILE) or removed by the next save into the directory.
+`checksums.json` (sha256 and size per payload file, not in SPEC T-19) is written just before the
+sentinel and checked by load_trainer_state: a changed payload raises ChecksumMismatch naming it.
+Directories without it (older checkpoints) load unchecked.
 """
 from __future__ import annotations
 
 import dataclasses
 import decimal
+import hashlib
 import json
 import math
 import os
+import re
 import secrets
+import socket
+import stat
+import zlib
 
-from ..errors import InvalidTrainerState, UnsupportedTrainerStateVersion
+from ..errors import ChecksumMismatch, InvalidTrainerState, UnsupportedTrainerStateVersion
 
 MODEL_STATE_FILE = "model.safetensors"
 ADAPTERS_STATE_FILE = "adapters.safetensors"
 OPTIMIZER_STATE_FILE = "optimizer.fucina"
 TRAINER_STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "checksums.json"
+MANIFEST_FORMAT = "fucina.checksums"
+_PAYLOAD_SUFFIXES = (".safetensors", ".fucina")
+_PAYLOAD_NAMES = ("ternary.gguf",)  # fucina.es genomes (other GGUFs there are exports, not state)
 FORMAT_MARKER = "fucina.training_checkpoint"
 VERSION = 1
 
@@ -51,34 +64,161 @@ def _fsync_dir(path) -> None:
         os.close(fd)
 
 
+_HOST_TAG = format(zlib.crc32(socket.gethostname().encode("utf-8", "replace")), "08x")
+_TEMP_NAME = re.compile(r"\.tmp\.(\d+)\.([0-9a-f]{8})([0-9a-f]{8})\Z")
+_STALE_SLACK_S = 2.0  # /proc/stat's boot time has whole-second resolution
+
+
+def _temp_name(path: str) -> str:
+    """`<path>.tmp.<pid>.<host tag><random>`: the pid and host tag let a later save tell a dead
+    writer's leftover from a live writer's file."""
+    return f"{path}.tmp.{os.getpid()}.{_HOST_TAG}{secrets.token_hex(4)}"
+
+
+def _process_start(pid: int) -> float | None:
+    """The start time (epoch seconds) of live process `pid`, or None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _is_stale(pid: int, mtime: float) -> bool:
+    """True when no process that could still be writing the temp file runs: pid is gone, or
+    pid was reused by a process started after the file was last written."""
+    if pid == os.getpid():
+        return False  # ours (another thread may be mid-save)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OSError):
+        return False  # alive (another user's) or unknowable: keep
+    start = _process_start(pid)
+    return start is not None and start > mtime + _STALE_SLACK_S
+
+
+def remove_stale_temps(dir_path) -> list[str]:
+    """Delete the temp files that killed saves left in dir_path (only names of our own pattern,
+    written on this host, by processes that no longer run). Returns the removed paths."""
+    removed = []
+    try:
+        entries = list(os.scandir(dir_path))
+    except OSError:
+        return removed
+    for e in entries:
+        m = _TEMP_NAME.search(e.name)
+        if m is None or m.group(2) != _HOST_TAG:
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or not _is_stale(int(m.group(1)), st.st_mtime):
+                continue
+            os.unlink(e.path)
+            removed.append(e.path)
+        except (FileNotFoundError, ValueError, OverflowError):
+            continue  # another process cleaned it first
+        except OSError:
+            continue
+    return removed
+
+
+def _open_unnamed(parent: str):
+    """An fd on an unnamed file in `parent` (Linux O_TMPFILE), or None where unsupported."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(parent, flag | os.O_RDWR, 0o666)
+    except OSError:
+        return None  # filesystem without O_TMPFILE support (EOPNOTSUPP/EISDIR/EINVAL)
+
+
+def _link_unnamed(f, path: str) -> str:
+    """Name the complete unnamed file f (linkat through /proc/self/fd, AT_SYMLINK_FOLLOW); where
+    the kernel refuses the link, copy it into a named temp file instead. Returns the name."""
+    try:
+        proc_fd = os.open("/proc/self/fd", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        proc_fd = None
+    try:
+        while proc_fd is not None:
+            tmp = _temp_name(path)
+            try:
+                os.link(str(f.fileno()), tmp, src_dir_fd=proc_fd, follow_symlinks=True)
+                return tmp
+            except FileExistsError:
+                continue
+            except OSError:
+                break
+    finally:
+        if proc_fd is not None:
+            os.close(proc_fd)
+    fd, tmp = _open_named(path)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            f.flush()
+            os.lseek(f.fileno(), 0, os.SEEK_SET)
+            while True:
+                chunk = os.read(f.fileno(), 1 << 20)
+                if not chunk:
+                    break
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _open_named(path: str):
+    while True:  # O_EXCL: never clobber another writer's temp file; 0o666 honours the umask
+        tmp = _temp_name(path)
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                           0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def write_file_atomic(path, writer_fn) -> None:
     """Write `path` through writer_fn(f) (f: a binary file) so that readers see the old file or
-    the complete new one, never a part: a temp file in the same directory, flushed and fsynced,
-    then os.replace. If writer_fn raises (or the process is interrupted), the temp file is
-    removed, the old file is untouched and the exception propagates."""
+    the complete new one, never a part, and a killed save leaves no litter.
+
+    Where Linux allows it the data goes to an unnamed O_TMPFILE file (a kill leaves nothing),
+    which is linked under a temp name only once complete and fsynced, then os.replace'd over
+    `path`; elsewhere a named temp file in the same directory. Either way the temp files that
+    earlier, killed saves left in the directory are removed first (remove_stale_temps). If
+    writer_fn raises, the old file is untouched and the exception propagates."""
     path = os.fspath(path)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    while True:  # O_EXCL: never clobber another writer's temp file; 0o666 honours the umask
-        tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-            break
-        except FileExistsError:
-            continue
+    remove_stale_temps(parent)
+    fd = _open_unnamed(parent)
+    tmp = None
+    if fd is None:
+        fd, tmp = _open_named(path)
     try:
         with os.fdopen(fd, "wb") as f:
             writer_fn(f)
             f.flush()
             os.fsync(f.fileno())
+            if tmp is None:  # give the finished unnamed file its temp name, then replace
+                tmp = _link_unnamed(f, path)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         raise
     _fsync_dir(parent)
 
@@ -88,11 +228,84 @@ def begin_save(dir_path) -> None:
     directory reads as "no checkpoint" whatever state the payload files are in."""
     dir_path = os.fspath(dir_path)
     os.makedirs(dir_path, exist_ok=True)
+    removed = False
+    for name in (TRAINER_STATE_FILE, MANIFEST_FILE):  # the sentinel first: it commits
+        try:
+            os.unlink(os.path.join(dir_path, name))
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed:
+        _fsync_dir(dir_path)
+
+
+def _sha256(path: str) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                return h.hexdigest(), size
+            h.update(chunk)
+            size += len(chunk)
+
+
+def _payload_names(dir_path: str) -> list[str]:
+    """The payload files: regular *.safetensors / *.fucina files and the ES genomes, sorted."""
+    out = []
+    for e in os.scandir(dir_path):
+        if (e.name.endswith(_PAYLOAD_SUFFIXES) or e.name in _PAYLOAD_NAMES) \
+                and e.is_file(follow_symlinks=True):
+            out.append(e.name)
+    return sorted(out)
+
+
+def write_manifest(dir_path) -> None:
+    """Write `checksums.json` (sha256 and size of every payload file) atomically: the step
+    before the sentinel, so a committed checkpoint always carries the digests of its payload."""
+    dir_path = os.fspath(dir_path)
+    os.makedirs(dir_path, exist_ok=True)
+    files = {}
+    for name in _payload_names(dir_path):
+        digest, size = _sha256(os.path.join(dir_path, name))
+        files[name] = {"sha256": digest, "size": size}
+    data = (json.dumps({"format": MANIFEST_FORMAT, "version": 1, "files": files}, indent=2,
+                       sort_keys=False) + "\n").encode()
+    write_file_atomic(os.path.join(dir_path, MANIFEST_FILE), lambda f: f.write(data))
+
+
+def verify_checkpoint(dir_path) -> bool:
+    """Check every file `checksums.json` lists against its sha256 and size: ChecksumMismatch
+    naming the file on any difference (missing included) or an unreadable manifest. False when
+    the directory has no manifest (checkpoints from before manifests), True when all match."""
+    dir_path = os.fspath(dir_path)
+    where = os.path.join(dir_path, MANIFEST_FILE)
     try:
-        os.unlink(os.path.join(dir_path, TRAINER_STATE_FILE))
-    except FileNotFoundError:
-        return
-    _fsync_dir(dir_path)
+        with open(where, "rb") as f:
+            obj = _json_object(f.read())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    files = obj.get("files") if isinstance(obj, dict) and obj.get("format") == MANIFEST_FORMAT \
+        and obj.get("version") == 1 else None
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("sha256"), str) and _is_int(v.get("size"))
+            for v in files.values()):
+        raise ChecksumMismatch(f"verify_checkpoint: {where}: expected a {MANIFEST_FORMAT} "
+                               f"version 1 manifest, got unparseable or malformed bytes")
+    for name, want in files.items():
+        path = os.path.join(dir_path, name)
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ChecksumMismatch(f"verify_checkpoint: {where}: expected plain file names, got "
+                                   f"{name!r}")
+        try:
+            digest, size = _sha256(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ChecksumMismatch(f"verify_checkpoint: {path}: listed in {MANIFEST_FILE} but "
+                                   f"missing") from None
+        if size != want["size"] or digest != want["sha256"]:
+            raise ChecksumMismatch(f"verify_checkpoint: {path}: expected sha256 {want['sha256']} "
+                                   f"({want['size']} bytes), got {digest} ({size} bytes)")
+    return True
 
 
 @dataclasses.dataclass
@@ -236,13 +449,16 @@ def parse_trainer_state(data: bytes, where: str = TRAINER_STATE_FILE) -> Trainer
 def save_trainer_state(dir_path, state: TrainerState) -> None:
     """Write the sentinel atomically: the last step of a save (it commits the checkpoint)."""
     data = format_trainer_state(state)  # validate before touching the directory
+    write_manifest(dir_path)
     write_file_atomic(os.path.join(os.fspath(dir_path), TRAINER_STATE_FILE), lambda f: f.write(data))
 
 
 def load_trainer_state(dir_path) -> TrainerState | None:
     """The directory's trainer state, or None when it has no sentinel or the sentinel is not
     JSON (an incomplete checkpoint). A JSON sentinel of the wrong shape raises
-    InvalidTrainerState; another version raises UnsupportedTrainerStateVersion."""
+    InvalidTrainerState; another version raises UnsupportedTrainerStateVersion; a payload file
+    that disagrees with `checksums.json` raises ChecksumMismatch naming it (verify_checkpoint:
+    every loader reads the sentinel first, so this is where the whole directory is checked)."""
     path = os.path.join(os.fspath(dir_path), TRAINER_STATE_FILE)
     try:
         with open(path, "rb") as f:
@@ -250,4 +466,8 @@ def load_trainer_state(dir_path) -> TrainerState | None:
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     obj = _json_object(data)
-    return None if obj is None else _from_object(obj, path)
+    if obj is None:
+        return None
+    state = _from_object(obj, path)
+    verify_checkpoint(dir_path)
+    return state

@@ -9,29 +9,33 @@ step_size = lr / bc1, 1 − β1, 1 − β2, keep = 1 − lr·wd; t is the slot's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from ..codegen.optim import AdamKey
 from ..exec import optim as xo
 from ..exec.elementwise import f32_bits
 from .base import Optimizer, StateBuf
+from . import validate
 from .frames import Magics, StateDType
 
 
 @dataclass
 class AdamConfig:
     """state_dtype: storage of m; second_moment_dtype: storage of v (opt-in bf16: β2 = 0.999's
-    ~0.1 %/step change is below bf16's ~0.39 % resolution, so v can stall). Mutable."""
+    ~0.1 %/step change is below bf16's ~0.39 % resolution, so v can stall); betas=(b1, b2) is
+    accepted for beta1/beta2. Mutable (values are checked at construction and every step)."""
 
     lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
+    beta1: float = validate.BETA1
+    beta2: float = validate.BETA2
     eps: float = 1e-8
     weight_decay: float = 0.0
     state_dtype: StateDType = StateDType.f32
     second_moment_dtype: StateDType = StateDType.f32
+    betas: InitVar[tuple | None] = None  # torch's spelling of (beta1, beta2)
 
-    def __post_init__(self):
+    def __post_init__(self, betas):
+        validate.resolve_betas(self, type(self).__name__, betas)
         self.state_dtype = StateDType.of(self.state_dtype)
         self.second_moment_dtype = StateDType.of(self.second_moment_dtype)
 
@@ -51,6 +55,9 @@ class Adam(Optimizer):
     MAGICS = Magics(b"FZAD", b"FZD4", b"FZD5")
     RECORD = (("step", "u64"), ("m", "buf"), ("v", "buf"))
     DECOUPLED = False
+
+    def _check_config(self):
+        validate.adam_like(type(self).__name__, self.config)
 
     def _init_state(self, slot):
         c = self.config

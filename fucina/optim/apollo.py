@@ -33,15 +33,15 @@ raw f32 v | [master]). A load forces every projection to be regenerated at the n
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from .. import rng
 from ..codegen.optim_lowrank import ApolloApplyKey, HfAdamwKey
 from ..exec import optim as xo
 from ..exec import optim_lowrank as xl
 from ..exec.matmul import gemm
-from . import frames
+from ..errors import InvalidOptimizerConfig
+from . import frames, validate
 from .base import Optimizer, StateBuf, WithFallback, slots_version
 from .frames import V3, V5, Magics, StateDType, f32
 
@@ -56,8 +56,8 @@ class ApolloConfig:
     per-slot projection seeds. Mutable: schedules write `lr`."""
 
     lr: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.999
+    beta1: float = validate.BETA1
+    beta2: float = validate.BETA2
     eps: float = 1e-6
     weight_decay: float = 0.0
     rank: int = 128
@@ -68,6 +68,10 @@ class ApolloConfig:
     scale_front: bool = False
     disable_norm_growth_limiter: bool = False
     seed: int = 0
+    betas: InitVar[tuple | None] = None  # torch's spelling of (beta1, beta2)
+
+    def __post_init__(self, betas):
+        validate.resolve_betas(self, "ApolloConfig", betas)
 
     @classmethod
     def mini(cls, **overrides) -> "ApolloConfig":
@@ -128,23 +132,19 @@ class Apollo(WithFallback):
         self.fallback = _HfAdamW(self.config)
 
     def _check_config(self):
-        c = self.config
+        """torch-style domains for lr, betas, eps, weight_decay (finite), the structural knobs
+        (rank and update_proj_gap >= 1, scale > 0, scale_type, the three flags) and seed (u64)."""
+        c, op = self.config, "Apollo"
         for name in ("rank", "update_proj_gap"):
-            v = getattr(c, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v < 1 << 64:
-                raise ValueError(f"Apollo: expected an int {name} >= 1, got {v!r}")
+            validate.integer(op, name, getattr(c, name), 1, 1 << 64)
         if c.scale_type not in SCALE_TYPES:
-            raise ValueError(f"Apollo: expected scale_type in {SCALE_TYPES}, got "
-                             f"{c.scale_type!r}")
-        if isinstance(c.seed, bool) or not isinstance(c.seed, numbers.Integral):
-            raise ValueError(f"Apollo: expected an int seed, got {c.seed!r}")
-        if not c.lr >= 0.0:
-            raise ValueError(f"Apollo: expected lr >= 0, got {c.lr!r}")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(c, name) < 1.0:
-                raise ValueError(f"Apollo: expected {name} in [0, 1), got {getattr(c, name)!r}")
-        if not c.eps >= 0.0:
-            raise ValueError(f"Apollo: expected eps >= 0, got {c.eps!r}")
+            raise InvalidOptimizerConfig(f"Apollo: expected scale_type in {SCALE_TYPES}, got "
+                                         f"{c.scale_type!r}")
+        validate.integer(op, "seed", c.seed, 0, 1 << 64)
+        validate.adam_like(op, c)
+        validate.real(op, "scale", c.scale, low=0.0, low_open=True)
+        for name in ("correct_bias", "scale_front", "disable_norm_growth_limiter"):
+            validate.flag(op, name, getattr(c, name))
 
     def close(self) -> None:
         self.fallback.close()

@@ -284,6 +284,7 @@ class Optimizer(abc.ABC):
         """One update of every param that has a gradient (the others are skipped and their
         step counters stay)."""
         self._live("step")
+        self._check_config()  # a value assigned to config since construction is checked here
         prep = self._prepare()
         for slot in self.slots:
             g = self.grad_of(slot, "step")
@@ -321,16 +322,22 @@ class Optimizer(abc.ABC):
         raise KeyError(f"{type(self).__name__}.state_of: the tensor is not registered here")
 
     # ---- checkpoint frames (T-17) ----
-    def save_state(self, f) -> None:
-        """Write this optimizer's frame to the binary file object f."""
+    def save_state(self, f, checksum: bool = True) -> None:
+        """Write this optimizer's frame to the binary file object f, inside the CRC32 envelope
+        (frames.write_checked) unless checksum=False (the bare SPEC T-17 bytes)."""
         self._live("save_state")
-        self.write_frame(f)
+        if checksum:
+            frames.write_checked(f, self.write_frame)
+        else:
+            self.write_frame(f)
 
     def load_state(self, f) -> None:
-        """Read a frame written by save_state: everything is validated before anything is
-        changed (a truncated or mismatched stream leaves the optimizer as it was)."""
+        """Read a frame written by save_state (enveloped or bare): everything, the CRC32
+        included, is validated before anything is changed (a truncated, corrupt or mismatched
+        stream leaves the optimizer as it was)."""
         self._live("load_state")
-        self.commit_frame(self.stage_frame(Reader(f, f"{type(self).__name__}.load_state")))
+        self.commit_frame(frames.read_checked(f, f"{type(self).__name__}.load_state",
+                                              self.stage_frame))
 
     def frame_version(self) -> int:
         return slots_version(self.slots, self.RECORD)

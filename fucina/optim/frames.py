@@ -6,17 +6,26 @@ All integers are little-endian. A frame's version is the lowest its slots need: 
 carries an f32 master, else v4 when any state buffer is not f32, else v3 (untagged f32 buffers,
 byte-identical to the pre-bf16 format). Reads take their sizes from the live slots, never from
 the stream (except names: at most 65535 bytes), so a corrupt file costs an error, not memory.
+
+save_state wraps a frame in a checksummed envelope (not in SPEC T-17, which it contains intact):
+
+    b"FZC1" | u64 frame length | the frame (its own magic, any version) | u32 CRC32 of the frame
+
+Loaders accept an envelope or a bare frame (files from before checksums). zlib's CRC32 runs at
+~4 GB/s (blake2b ~0.9, sha256 ~1.9 on the same core): 256 MB of state cost ~60 ms per save.
 """
 from __future__ import annotations
 
 import enum
 import struct
+import zlib
 from typing import NamedTuple
 
 from ..exec.elementwise import f32_bits
-from ..errors import (CheckpointDtypeMismatch, CheckpointDuplicateName, CheckpointInvalidName,
-                      CheckpointMagicMismatch, CheckpointMissingEntry, CheckpointShapeMismatch,
-                      CheckpointUnknownName, CheckpointUnsupportedDtype, InvalidDataLength)
+from ..errors import (ChecksumMismatch, CheckpointDtypeMismatch, CheckpointDuplicateName,
+                      CheckpointInvalidName, CheckpointMagicMismatch, CheckpointMissingEntry, CheckpointShapeMismatch,
+                      CheckpointUnknownName, CheckpointUnsupportedDtype, FucinaError,
+                      InvalidDataLength)
 
 V3, V4, V5 = 3, 4, 5
 MAX_NAME = 0xFFFF
@@ -242,3 +251,133 @@ def read_master(r: Reader, version: int, nbytes: int | None, name: str) -> bytea
     out = bytearray(nbytes)
     r.into(memoryview(out), f"the master of slot {name}")
     return out
+
+
+# ---- the checksummed envelope ------------------------------------------------------------------
+
+CHECKED_MAGIC = b"FZC1"
+_CHUNK = 1 << 20
+
+
+def _bytes_of(data) -> memoryview:
+    mv = memoryview(data)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+class _Counter:
+    """A write sink that only counts bytes (the first pass: the frame's length)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def write(self, data):
+        k = _bytes_of(data).nbytes
+        self.n += k
+        return k
+
+
+class _WriteTap:
+    """Passes writes through, counting them and folding them into a CRC32."""
+
+    def __init__(self, f):
+        self.f, self.n, self.crc = f, 0, 0
+
+    def write(self, data):
+        mv = _bytes_of(data)
+        self.crc = zlib.crc32(mv, self.crc)
+        self.n += mv.nbytes
+        while len(mv):  # raw files may take part of a large buffer per call
+            k = self.f.write(mv)
+            if k is None or k >= len(mv):
+                break
+            mv = mv[k:]
+        return self.n
+
+
+class _ReadTap:
+    """A readable that first replays `prefix`, then reads f; counts and CRC32s what it hands out
+    and ends at `limit` bytes (an enveloped frame cannot read past its declared length)."""
+
+    def __init__(self, f, prefix: bytes = b"", limit: int | None = None):
+        self.f, self.prefix, self.n, self.crc, self.limit = f, prefix, 0, 0, limit
+
+    def readinto(self, dest) -> int:
+        dest = _bytes_of(dest)
+        if self.limit is not None:
+            dest = dest[:max(self.limit - self.n, 0)]
+            if not len(dest):
+                return 0
+        if self.prefix:
+            k = min(len(dest), len(self.prefix))
+            dest[:k] = self.prefix[:k]
+            self.prefix = self.prefix[k:]
+        else:
+            readinto = getattr(self.f, "readinto", None)
+            if readinto is not None:
+                k = readinto(dest) or 0
+            else:
+                part = self.f.read(len(dest))
+                k = len(part)
+                dest[:k] = part
+        self.crc = zlib.crc32(dest[:k], self.crc)
+        self.n += k
+        return k
+
+
+def _where(f, op: str) -> str:
+    name = getattr(f, "name", None)
+    return f"{op}({name})" if isinstance(name, str) else op
+
+
+def write_checked(f, write_frame) -> None:
+    """The envelope around write_frame(sink): a counting pass for the length, then the frame
+    through a CRC32 tap, then the CRC."""
+    counter = _Counter()
+    write_frame(counter)
+    f.write(CHECKED_MAGIC + struct.pack("<Q", counter.n))
+    tap = _WriteTap(f)
+    write_frame(tap)
+    f.write(struct.pack("<I", tap.crc))
+
+
+def read_checked(f, op: str, stage):
+    """stage(Reader) over an enveloped frame (CRC32 verified before the staged result is
+    returned: ChecksumMismatch naming the file) or over a bare frame (no checksum to verify).
+    A structural error inside an envelope whose CRC32 then fails is reported as the
+    ChecksumMismatch it is (a corrupt file, not a changed model), chained to the first error."""
+    head = Reader(f, op).take(4, "the magic")
+    if head != CHECKED_MAGIC:
+        return stage(Reader(_ReadTap(f, head), op))
+    where = _where(f, op)
+    (length,) = struct.unpack("<Q", Reader(f, op).take(8, "the checksummed frame's length"))
+    tap = _ReadTap(f, limit=length)
+    try:
+        staged = stage(Reader(tap, op))
+    except FucinaError as e:
+        if _corrupt(f, tap, length, op):
+            raise ChecksumMismatch(f"{where}: the frame does not match its CRC32 (it failed "
+                                   f"with: {e}); the file is corrupt") from e
+        raise
+    if tap.n != length:
+        raise ChecksumMismatch(f"{where}: the frame is {tap.n} bytes, its envelope says "
+                               f"{length}; the file is corrupt")
+    (want,) = struct.unpack("<I", Reader(f, op).take(4, "the frame's CRC32"))
+    if want != tap.crc:
+        raise ChecksumMismatch(f"{where}: expected the frame's CRC32 {want:08x}, computed "
+                               f"{tap.crc:08x}; the file is corrupt")
+    return staged
+
+
+def _corrupt(f, tap: _ReadTap, length: int, op: str) -> bool:
+    """After a failed stage: read the rest of the enveloped frame and its CRC32. True when they
+    disagree; False when they agree or the stream ends first (then the first error stands)."""
+    buf = bytearray(min(_CHUNK, max(length - tap.n, 1)))
+    try:
+        while tap.n < length:
+            k = tap.readinto(memoryview(buf)[:min(len(buf), length - tap.n)])
+            if not k:
+                return False
+        (want,) = struct.unpack("<I", Reader(f, op).take(4, "the frame's CRC32"))
+    except InvalidDataLength:
+        return False
+    return want != tap.crc

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from ..ag.engine import is_grad_enabled
 from ..ag.tensor import Tensor
 from ..codegen.optim_lowrank import MuonApplyKey, MuonMomentumKey
-from ..errors import DTypeError, InvalidShape, UnsupportedGradient
+from ..errors import DTypeError, InvalidOptimizerConfig, InvalidShape, UnsupportedGradient
 from ..exec import optim_lowrank as xl
-from . import frames
+from . import frames, validate
 from .adam import AdamW, AdamWConfig
 from .base import StateBuf, WithFallback
 from .frames import Magics, StateDType, f32
@@ -108,12 +108,19 @@ class Muon(WithFallback):
         self.fallback = AdamW(self.config.fallback)
 
     def _check_config(self):
-        c = self.config
+        """torch.optim.Muon's checks (lr, momentum, weight_decay >= 0), every value finite, plus
+        the structural knobs a frame pins (scale, nesterov, ns_steps)."""
+        c, op = self.config, "Muon"
         if c.scale not in SCALES:
-            raise ValueError(f"Muon: expected scale in {SCALES}, got {c.scale!r}")
+            raise InvalidOptimizerConfig(f"Muon: expected scale in {SCALES}, got {c.scale!r}")
         if isinstance(c.ns_steps, bool) or not isinstance(c.ns_steps, numbers.Integral) \
                 or not 0 <= c.ns_steps < 1 << 32:
-            raise ValueError(f"Muon: expected an int ns_steps in [0, 2^32), got {c.ns_steps!r}")
+            raise InvalidOptimizerConfig(f"Muon: expected an int ns_steps in [0, 2^32), got "
+                                         f"{c.ns_steps!r}")
+        validate.non_negative(op, "lr", c.lr)
+        validate.non_negative(op, "momentum", c.momentum)
+        validate.non_negative(op, "weight_decay", c.weight_decay)
+        validate.flag(op, "nesterov", c.nesterov)
         if not isinstance(c.fallback, AdamWConfig):
             raise TypeError(f"Muon: expected fallback to be an AdamWConfig, got "
                             f"{type(c.fallback).__name__}")

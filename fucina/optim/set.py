@@ -7,7 +7,7 @@ import struct
 
 from ..errors import CheckpointMagicMismatch, CheckpointShapeMismatch
 from .clip import clip, scale_grads
-from .frames import Reader
+from .frames import Reader, read_checked, write_checked
 
 MAGIC = b"FZO3"
 
@@ -59,19 +59,31 @@ class OptimizerSet:
         """Global-norm clip over all members (T-11); returns the pre-clip norm."""
         return clip(self._grads("clip_grad_norm"), self.grad_squared_norm(), max_norm)
 
-    def save_state(self, f) -> None:
+    def save_state(self, f, checksum: bool = True) -> None:
+        """FZO3 and the member frames, inside one CRC32 envelope unless checksum=False."""
         for opt in self.members:
             opt._live("save_state")
+        if checksum:
+            write_checked(f, self._write_body)
+        else:
+            self._write_body(f)
+
+    def _write_body(self, f) -> None:
         f.write(MAGIC)
         f.write(struct.pack("<I", len(self.members)))
         for opt in self.members:
             opt.write_frame(f)
 
     def load_state(self, f) -> None:
-        """Every member's frame is read and validated before any member changes."""
-        r = Reader(f, "OptimizerSet.load_state")
+        """Every member's frame (and the envelope's CRC32) is read and validated before any
+        member changes."""
         for opt in self.members:
             opt._live("load_state")
+        staged = read_checked(f, "OptimizerSet.load_state", self._stage_body)
+        for opt, s in zip(self.members, staged):
+            opt.commit_frame(s)
+
+    def _stage_body(self, r: Reader) -> list:
         got = r.take(4, "the magic")
         if got != MAGIC:
             raise CheckpointMagicMismatch(f"{r.op}: expected magic FZO3, got {got!r}")
@@ -79,9 +91,6 @@ class OptimizerSet:
         if n != len(self.members):
             raise CheckpointShapeMismatch(f"{r.op}: expected {len(self.members)} member frames, "
                                           f"the file has {n}")
-        staged = [opt.stage_frame(Reader(f, f"OptimizerSet.load_state (member {i}, "
+        return [opt.stage_frame(Reader(r.f, f"OptimizerSet.load_state (member {i}, "
                                             f"{type(opt).__name__})"))
-                  for i, opt in enumerate(self.members)]
-        for opt, s in zip(self.members, staged):
-            opt.commit_frame(s)
-
+                for i, opt in enumerate(self.members)]

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 from ..codegen.optim import SgdKey
 from ..exec import optim as xo
+from ..errors import InvalidOptimizerConfig
 from ..exec.elementwise import f32_bits
 from .base import Optimizer, StateBuf
+from . import validate
 from .frames import Magics, StateDType
 
 
@@ -38,10 +40,18 @@ class SGD(Optimizer):
     RECORD = (("step", "u64"), ("momentum_buffer", "buf"))
 
     def _check_config(self):
-        c = self.config
+        """torch.optim.SGD's checks (lr, momentum, weight_decay >= 0; nesterov needs momentum
+        and zero dampening); stricter: every value finite, nesterov a bool."""
+        c, op = self.config, "SGD"
+        validate.non_negative(op, "lr", c.lr)
+        validate.non_negative(op, "momentum", c.momentum)
+        validate.real(op, "dampening", c.dampening)
+        validate.non_negative(op, "weight_decay", c.weight_decay)
+        validate.flag(op, "nesterov", c.nesterov)
         if c.nesterov and (c.momentum == 0 or c.dampening != 0):
-            raise ValueError(f"SGD: nesterov requires momentum != 0 and dampening == 0, got "
-                             f"momentum={c.momentum} dampening={c.dampening}")
+            raise InvalidOptimizerConfig(f"SGD: nesterov requires momentum != 0 and dampening "
+                                         f"== 0, got momentum={c.momentum} "
+                                         f"dampening={c.dampening}")
 
     def _header(self):
         c = self.config
