@@ -10,15 +10,47 @@ from fucina.cli.tiny_model import build_tiny_model
 from fucina.llm.generation import KVCache, _Text, load
 from fucina.llm.sampling import Settings, pick
 
-WEIGHTS = ("f32", "f16", "bf16", "q8_0", "q4_k", "q6_k")
+WEIGHTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 PROMPT = "What is the capital of France?"
+
+
+ENCODED_ELSEWHERE = ("q4_0", "q4_1")   # fucina decodes these but has no encoder
+
+
+def requantized(src, dst, fmt):
+    """The GGUF at `src` with its matrices re-encoded as `fmt` by the gguf package (ggml's
+    reference quantizer, test-only), the rest verbatim."""
+    gg = pytest.importorskip("gguf")
+    from fucina.ag.tensor import Tensor
+    from fucina.exec import quant as xq
+    ctx = fu.ExecContext(threads=1)
+    try:
+        f = fu.gguf.read(src, ctx)
+        out = {}
+        for name, t in f.tensors.items():
+            if len(t.shape) == 2:
+                blocks = gg.quants.quantize(t.numpy().astype(np.float32),
+                                            getattr(gg.GGMLQuantizationType, fmt.upper()))
+                t = Tensor(xq.from_bytes(t._raw.ctx, blocks.tobytes(), t.shape, fmt), t.tags)
+            out[name] = t
+        fu.gguf.write(dst, out, f.metadata)
+    finally:
+        ctx.close()
+    return str(dst)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("gen")
-    return {(arch, w): build_tiny_model(d / f"{arch}-{w}.gguf", seed=5, dtype=w, arch=arch)
-            for arch in ("qwen3", "llama") for w in WEIGHTS}
+    out = {}
+    for arch in ("qwen3", "llama"):
+        for w in WEIGHTS:
+            if w in ENCODED_ELSEWHERE:
+                out[(arch, w)] = requantized(out[(arch, "f32")], d / f"{arch}-{w}.gguf", w)
+            else:
+                out[(arch, w)] = build_tiny_model(d / f"{arch}-{w}.gguf", seed=5, dtype=w,
+                                                  arch=arch)
+    return out
 
 
 def recompute_greedy(lm, ids, n):
@@ -42,6 +74,19 @@ def test_cached_greedy_equals_full_recompute(models, arch, weights):
     out = lm.generate(ids, max_new=12)
     assert out.ids == recompute_greedy(lm, ids, len(out.ids))
     assert out.finish_reason in ("max_new", "stop")
+
+
+def test_rope_rows_of_the_context_table_equal_a_table_built_for_them(models):
+    ctx = fu.ExecContext(threads=1)
+    lm = load(models[("llama", "f32")], ctx)
+    c = lm.model.config
+    whole = ctx.prepare_rope_table(range(40), c.rope_dim, c.rope_theta)
+    for start, n in ((0, 40), (7, 1), (39, 1), (12, 5)):
+        rows = lm.model.rope_rows(whole, start, n)
+        fresh = ctx.prepare_rope_table(range(start, start + n), c.rope_dim, c.rope_theta)
+        assert rows.positions == fresh.positions
+        assert rows.cos().tobytes() == fresh.cos().tobytes()
+        assert rows.sin().tobytes() == fresh.sin().tobytes()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -66,6 +66,8 @@ class KVCache:
         self.k = [model.ctx.zeros(shape, tags=tags, dtype=dtype) for _ in range(c.num_layers)]
         self.v = [model.ctx.zeros(shape, tags=tags, dtype=dtype) for _ in range(c.num_layers)]
         self._n = 0
+        # one RoPE table for every position the cache can hold; steps take views of its rows
+        self.table = model.ctx.prepare_rope_table(range(self.length), c.rope_dim, c.rope_theta)
 
     def __call__(self, l: int, k: Tensor, v: Tensor):
         n = k.shape[0]
@@ -172,7 +174,7 @@ class LM:
         cache takes their keys and values. Call under no_grad and an exec scope."""
         m = self.model
         n = len(tokens)
-        table = m.rope_table(cache.pos, n)
+        table = m.rope_rows(cache.table, cache.pos, n)
         x = m.embed(tokens)
         ad = self.trainer.adapters if self.trainer is not None else None
         for l in range(m.config.num_layers):

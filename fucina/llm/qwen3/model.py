@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import gguf
+from ...ag.rope import RopeTable
 from ...ag.tensor import Tensor
 from ...errors import IndexOutOfBounds, InvalidSequenceLength, ShapeMismatch
 from ...exec.quant import BLOCKS
@@ -116,6 +117,14 @@ class Model:
             table = self._tables[key] = self.ctx.prepare_rope_table(
                 range(key[0], key[0] + key[1]), c.rope_dim, c.rope_theta)
         return table
+
+    def rope_rows(self, table, start: int, length: int):
+        """Positions start .. start + length - 1 of a table built once for a whole context
+        (a view of its rows, no new table: each row depends on its position only, so the rows
+        equal a table built for those positions bit for bit)."""
+        return RopeTable(table.ctx, table.positions[start:start + length], table.feature_dim,
+                         table.theta_base, table.inverse, table._cos.narrow(0, start, length),
+                         table._sin.narrow(0, start, length))
 
     def embed(self, tokens) -> Tensor:
         """Step 1: the token rows of the (frozen) embedding, f32 [seq, embed]."""
