@@ -172,8 +172,77 @@ def _matmul(threads: int, quick: bool) -> list[dict]:
     return out
 
 
+# one-token decode products at the SmolLM2-135M shapes (K-quants need K % 256 == 0: 768 there)
+MATVEC_SHAPES = {32: ((1536, 576), (576, 1536), (49152, 576)), 256: ((1536, 768), (768, 1536))}
+MATVEC_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+MATVEC_HEAD = ("q8_0", "q4_1")   # formats timed on the 49152-row tied head
+
+
+def _blocks(ctx, a, fmt):
+    import fucina as fu
+    from fucina.exec import quant as xq
+
+    if fmt in xq.ENCODABLE:
+        return ctx.tensor(a, ("out", "in")).to(fmt)
+    import libgguf
+    from gguf import GGMLQuantizationType as GT
+
+    raw = libgguf.quantize_rows(a, int(GT[fmt.upper()]))
+    return fu.Tensor(xq.from_bytes(ctx, raw.tobytes(), a.shape, fmt), ("out", "in"))
+
+
+def _matvec(threads: int, quick: bool) -> list[dict]:
+    """x [1, K] · w_q [N, K]ᵀ (the gemv kernel, one row) against torch F.linear on the
+    dequantized f32 weight (what transformers runs); the note gives GB/s of block bytes and
+    their % of the STREAM reference bandwidth measured in this process (read + write)."""
+    import fucina as fu
+    from fucina.codegen.quant import FORMATS
+
+    torch = c.torch()
+    rng = np.random.default_rng(2)
+    bw = c.bandwidth(threads)
+    ctx = fu.ExecContext(threads=threads)
+    out = []
+    try:
+        for fmt in MATVEC_FORMATS:
+            bs, bb = FORMATS[fmt]
+            for N, K in MATVEC_SHAPES[bs]:
+                if N > 10000 and fmt not in MATVEC_HEAD:
+                    continue
+                q = _blocks(ctx, rng.standard_normal((N, K)).astype(np.float32), fmt)
+                xa = rng.standard_normal((1, K)).astype(np.float32)
+                x = ctx.tensor(xa, ("tok", "in"))
+                env = {"x": x, "q": q}
+                stmts = {"fucina": "x.dot(q, 'in')"}
+                if torch is not None:
+                    env.update(F=torch.nn.functional, tx=torch.from_numpy(xa),
+                               tw=torch.from_numpy(q.to("f32").numpy()))
+                    stmts["torch"] = "F.linear(tx, tw)"
+                    if not np.allclose(x.dot(q, "in").numpy(), env["F"].linear(env["tx"], env["tw"]).numpy(),
+                                       rtol=1e-4, atol=1e-3):
+                        raise AssertionError(f"{fmt}: Fucina's matvec and torch F.linear disagree")
+                t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                                     repeats=5 if quick else 9, block_s=0.03 if quick else 0.1)
+                nbytes = N * K // bs * bb
+                gbs = nbytes / t["fucina"].median
+                out.append(c.vs_torch(GROUP, f"matvec x[1, {K}] · {fmt} w[{N}, {K}]ᵀ", threads,
+                                      t["fucina"], t.get("torch"), load, target="≥ PyTorch F.linear",
+                                      note=f"{gbs / 1e9:.1f} GB/s of blocks = {100 * gbs / bw:.0f} % "
+                                           f"of the STREAM scale reference {bw / 1e9:.1f} GB/s; "
+                                           f"torch = F.linear on the dequantized f32 weight"))
+    finally:
+        ctx.close()
+    return out
+
+
 def rows(quick: bool = False) -> list[dict]:
-    return c.each_thread_count(quick, (GROUP, "quant", _one), (GROUP, "quantized matmul", _matmul))
+    return c.each_thread_count(quick, (GROUP, "quant", _one), (GROUP, "quantized matmul", _matmul),
+                               (GROUP, "quantized matvec", _matvec))
+
+
+def matvec_rows(quick: bool = False) -> list[dict]:
+    """Only the one-token matvec rows (python -c 'from benchmarks import bench_quant as b; ...')."""
+    return c.each_thread_count(quick, (GROUP, "quantized matvec", _matvec))
 
 
 if __name__ == "__main__":
