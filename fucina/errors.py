@@ -173,4 +173,9 @@ class InvalidOptimizerConfig(OptimError, ValueError):
     eps <= 0, betas outside [0, 1), ...), refused at construction as torch refuses it."""
 
 
+
+class InvalidExportOption(LlmError, ValueError):
+    """A `fucina export` option outside its domain (an unknown --dtype, --alpha without
+    --adapters, a non-finite --alpha); the message names the option, expected vs given."""
+
 __all__ = [n for n, v in globals().items() if isinstance(v, type) and issubclass(v, FucinaError)]

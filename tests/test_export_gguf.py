@@ -6,6 +6,7 @@ file written. The merge half: LoRA adapters (a safetensors file written by the s
 package) merged into f32/f16/bf16 bases of a synthetic Qwen3-shaped model equal W + (α/r)·B·A
 computed in numpy, every other tensor stays byte-identical, every merge error, and the
 merge-then-quantize flow."""
+import os
 import gguf
 import libgguf
 import numpy as np
@@ -119,7 +120,7 @@ def test_plan_rules():
     assert ex.plan("output.weight", "bf16", (4, 512), "tq2_0") == ("tq2_0", "bf16 -> tq2_0")
     assert ex.plan("output.weight", "f16", (4, 96), "q8_0") == ("q8_0", "f16 -> q8_0")
     assert ex.plan("output.weight", "f16", (4, 96), "q5_k")[0] == "f16"
-    with pytest.raises(ValueError):
+    with pytest.raises(fu.InvalidExportOption, match="q3_k"):
         ex.plan("output.weight", "f16", (4, 96), "q3_k")
 
 
@@ -311,6 +312,16 @@ def test_merge_errors(tmp_path):
                     str(tmp_path / "good.safetensors")]) == 1
     assert ex.main(["--from-gguf", str(src), "--out", str(out), "--alpha", "16"]) == 1
     assert not out.exists()
+    with pytest.raises(fu.InvalidExportOption, match="--alpha"):
+        ex.export(str(src), str(out), alpha=ALPHA, log=quiet)
+    for bad_alpha in (float("nan"), float("inf"), True):
+        with pytest.raises(fu.InvalidExportOption, match="finite --alpha"):
+            ex.export(str(src), str(out), adapters=str(tmp_path / "good.safetensors"),
+                      alpha=bad_alpha, log=quiet)
+    with pytest.raises(fu.InvalidExportOption, match="--dtype"):
+        ex.export(str(src), str(out), "q3_k", log=quiet)
+    assert issubclass(fu.InvalidExportOption, (fu.FucinaError, ValueError))
+    assert not out.exists()
     for bad in ("layers.0.qq.lora_a", "model.layers.0.q.lora_a", "layers.01.q.lora_a",
                 "layers.0.q.lora_c", "layers.x.q.lora_a"):
         run({bad: a, "layers.0.q.lora_b": b}, fu.UnknownAdapterName, bad.replace(".", r"\."))
@@ -401,3 +412,19 @@ def test_lora_gguf_for_llama_cpp(tmp_path):
     with pytest.raises(SystemExit):
         ex.main(["--from-gguf", str(src)])
 
+
+
+def test_merge_export_is_bitwise_equal_at_1_and_2_threads(tmp_path, monkeypatch):
+    """The export's context takes os.cpu_count() threads: a quantized base merged and written at
+    f32, f16 and q8_0 gives the same bytes with 1 and with 2 threads."""
+    src, ad = tmp_path / "q.gguf", tmp_path / "a.safetensors"
+    write_qwen3(src, "f32", quantized={"blk.0.attn_q.weight", "blk.1.attn_v.weight"})
+    write_adapters(ad)
+    for target in ("verbatim", "f16", "q8_0"):
+        files = []
+        for threads in (1, 2):
+            monkeypatch.setattr(os, "cpu_count", lambda n=threads: n)
+            out = tmp_path / f"m-{target}-{threads}.gguf"
+            ex.export(str(src), str(out), target, adapters=str(ad), alpha=ALPHA, log=quiet)
+            files.append(out.read_bytes())
+        assert files[0] == files[1], target

