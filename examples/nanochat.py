@@ -28,7 +28,6 @@ import glob
 import os
 import sys
 import sysconfig
-import tempfile
 import time
 
 import numpy as np

@@ -1,7 +1,6 @@
 """fucina.dist.GradCluster (issue 19): data-parallel LoRA accumulation on Ray actors leaves the
 adapters byte-identical to the single-process accumulation of the same windows."""
 import io
-import os
 import sys
 
 import pytest

@@ -1,7 +1,6 @@
 """Files checked by readers we did not write (issue 16 item 7): the `gguf` package reads every
 GGUF our writer produces with equal metadata and tensors, and transformers loads the merged
 f32, f16 and q8_0 exports of a fine-tuned model with logits that match ours."""
-import os
 
 import numpy as np
 import pytest

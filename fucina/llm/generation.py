@@ -31,11 +31,11 @@ import codecs
 import numbers
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .. import gguf, io
+from .. import gguf
 from ..ag.engine import no_grad
 from ..ag.tensor import Tensor
 from ..errors import AdaptersMismatch, ContextOverflow, FucinaError, InvalidSequenceLength
