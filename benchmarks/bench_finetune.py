@@ -129,7 +129,6 @@ def _rss(side, path, targets, seq, threads) -> float | None:
 
 
 def _one(threads: int, quick: bool) -> list[dict]:
-    import time
     torch = c.torch()
     path, label = model_file()
     out = []
@@ -148,24 +147,11 @@ def _one(threads: int, quick: bool) -> list[dict]:
                         hstep = _hf(path, targets)
                 except ImportError:
                     hstep = None
-            ft, ht, fl, hl = [], [], [], []
-            for i, b in enumerate(batches):
-                t0 = time.perf_counter()
-                fl.append(fstep(b))
-                t1 = time.perf_counter()
-                if hstep is not None:
-                    with c.torch_threads(threads):
-                        hl.append(hstep(b))
-                t2 = time.perf_counter()
-                if i:
-                    ft.append(t1 - t0)
-                    ht.append(t2 - t1)
-            fu_s = float(np.median(ft))
-            hf_s = float(np.median(ht)) if ht else None
+            fl, hl, fu_s, hf_s = c.alternating_steps(batches, fstep, hstep, threads)
             rate = _flops(cfg, targets, seq) / fu_s
             rss_f = None if quick else _rss("fucina", path, targets, seq, threads)
             rss_h = None if quick or hstep is None else _rss("hf", path, targets, seq, threads)
-            note = (f"{label}; {len(ft)} timed steps after a warm-up, medians; {rate / 1e9:.0f} "
+            note = (f"{label}; {len(batches) - 1} timed steps after a warm-up, medians; {rate / 1e9:.0f} "
                     f"GFLOP/s of matrix work; first losses {fl[0]:.4f} (fucina)"
                     + (f" / {hl[0]:.4f} (transformers)" if hl else "")
                     + (f"; peak RSS {rss_f:.0f} MB" if rss_f else "")

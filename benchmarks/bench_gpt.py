@@ -15,8 +15,6 @@ process (1024³ `matmul`).
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from . import common as c
@@ -57,7 +55,6 @@ def _one(threads: int, quick: bool) -> list[dict]:
     opt = fu.optim.AdamW(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.0)
     for name, t in model.params.items():
         opt.add_param(t, name=name)
-    fu_losses, to_losses, fu_t, to_t = [], [], [], []
 
     def fu_step(tokens):
         with ctx.exec_scope():
@@ -82,20 +79,8 @@ def _one(threads: int, quick: bool) -> list[dict]:
             topt.zero_grad(set_to_none=True)
             return loss.item()
         tw = to_step
-    for i, tokens in enumerate(batches):           # step 0 warms both up (kernels, pools)
-        t0 = time.perf_counter()
-        fu_losses.append(fu_step(tokens))
-        t1 = time.perf_counter()
-        if tw is not None:
-            with c.torch_threads(threads):
-                to_losses.append(tw(tokens))
-        t2 = time.perf_counter()
-        if i:
-            fu_t.append(t1 - t0)
-            to_t.append(t2 - t1)
+    fu_losses, to_losses, fu_s, to_s = c.alternating_steps(batches, fu_step, tw, threads)
     ctx.close()
-    fu_s = float(np.median(fu_t))
-    to_s = float(np.median(to_t)) if to_t else None
     rate = _flops(cfg) / fu_s
     peak = _gemm_rate(threads)
     dev = max(abs(a - b) / abs(b) for a, b in zip(fu_losses, to_losses)) if to_losses else None

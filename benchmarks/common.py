@@ -432,6 +432,26 @@ def vs_torch(group: str, what: str, threads, fucina: Timing, torch_t: Timing | N
     return r
 
 
+def alternating_steps(batches, ours, theirs, threads: int) -> tuple:
+    """Whole training steps timed side by side: for each batch our step, then theirs (under
+    `threads` torch threads; theirs may be None), the first batch a warm-up. Returns (our
+    losses, their losses, our median seconds, their median seconds or None)."""
+    ol, tl, ot, tt = [], [], [], []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        ol.append(ours(batch))
+        t1 = time.perf_counter()
+        if theirs is not None:
+            with torch_threads(threads):
+                tl.append(theirs(batch))
+        t2 = time.perf_counter()
+        if i:
+            ot.append(t1 - t0)
+            tt.append(t2 - t1)
+    return (ol, tl, statistics.median(ot),
+            statistics.median(tt) if theirs is not None else None)
+
+
 def fastest_torch(t: dict, prefix: str = "torch ") -> tuple:
     """(Timing, note) of the fastest PyTorch formulation among the timings keyed
     `prefix + name`; the note names it and the others' medians. (None, "") when there is none."""

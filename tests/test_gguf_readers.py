@@ -74,11 +74,11 @@ def test_the_gguf_package_reads_every_file_we_write(tuned):
             assert np.asarray(t.data).tobytes() == raw, (what, t.name)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
-def test_transformers_serves_our_merged_exports_with_our_logits(tuned, dtype):
+def merged_logits(d, path, ck, dtype):
+    """Export `path` merged with the adapters of `ck` at `dtype` in one command, then the
+    logits of TEXT from our load of that file and from transformers' (and the ids, ctx)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    d, path, ck = tuned
     out = d / f"merged-{dtype}.gguf"
     ex.export(path, str(out), "verbatim" if dtype == "f32" else dtype, adapters=ck, alpha=8.0,
               log=quiet)
@@ -87,6 +87,17 @@ def test_transformers_serves_our_merged_exports_with_our_logits(tuned, dtype):
     ids = lm.tokenizer.encode_raw(TEXT)
     with fu.no_grad(), ctx.exec_scope():
         ours = lm.model.forward_logits(ids).numpy()
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=out.name,
+                                                          dtype=torch.float32)
+    with torch.no_grad():
+        theirs = m(torch.tensor([ids])).logits[0].numpy()
+    return ours, theirs, ids, ctx
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+def test_transformers_serves_our_merged_exports_with_our_logits(tuned, dtype):
+    d, path, ck = tuned
+    ours, theirs, ids, ctx = merged_logits(d, path, ck, dtype)
     # the same adapters applied on the fly to the base agree with the merged file
     tuned_lm = fu.llm.load(path, ctx, adapters=ck)
     with fu.no_grad(), ctx.exec_scope():
@@ -94,10 +105,6 @@ def test_transformers_serves_our_merged_exports_with_our_logits(tuned, dtype):
     scale = np.abs(ours).max()
     tol = {"f32": 1e-5, "f16": 2e-3, "q8_0": 2e-2}[dtype]
     np.testing.assert_allclose(ours[-1], onthefly, rtol=0, atol=tol * scale)
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=out.name,
-                                                          dtype=torch.float32)
-    with torch.no_grad():
-        theirs = m(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=1.1e-4 * scale)
 
 
@@ -127,20 +134,5 @@ def smollm2_tuned(tmp_path_factory):
 def test_transformers_serves_merged_smollm2_exports_with_our_logits(smollm2_tuned, dtype):
     """The issue's check on the real model: its quantized base merged with tuned adapters in one
     `fucina export` and written at f32/f16/q8_0; transformers' logits of each file equal ours."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    d, path, ck = smollm2_tuned
-    out = d / f"merged-{dtype}.gguf"
-    ex.export(path, str(out), "verbatim" if dtype == "f32" else dtype, adapters=ck, alpha=8.0,
-              log=quiet)
-    ctx = fu.ExecContext(threads=1)
-    lm = fu.llm.load(str(out), ctx)
-    ids = lm.tokenizer.encode_raw(TEXT)
-    with fu.no_grad(), ctx.exec_scope():
-        ours = lm.model.forward_logits(ids).numpy()
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(d), gguf_file=out.name,
-                                                          dtype=torch.float32)
-    with torch.no_grad():
-        theirs = m(torch.tensor([ids])).logits[0].numpy()
-    scale = np.abs(ours).max()
-    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1.1e-4 * scale)
+    ours, theirs, _, _ = merged_logits(*smollm2_tuned, dtype)
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=1.1e-4 * np.abs(ours).max())

@@ -191,10 +191,9 @@ def test_stop_strings_and_kind(case):
     assert ours.special_tokens["bos_token"] == hf.bos_token
 
 
+@pytest.mark.parametrize("case", ["gemma"], indirect=True)   # the template that checks roles
 def test_template_that_raises(case):
     name, ours, hf = case
-    if name != "gemma":
-        pytest.skip("only the gemma-style template checks role order")
     bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(Exception, match="roles must alternate"):
         _hf(hf, bad, True)

@@ -270,8 +270,8 @@ def _assistant_spans(template: ChatTemplate, messages, variables, where) -> tupl
     """(full text up to the end of the last assistant turn, [(start, end)] character spans of
     each assistant turn's content plus the end-of-turn marker that follows it).
 
-    The spans are found by rendering once more with a placeholder in place of each assistant
-    content: the text between placeholders is the template's own, so each content's rendered
+    The spans are found by rendering once more with a marker string (_HOLE) in place of each
+    assistant content: the text between markers is the template's own, so each content's rendered
     form (after the template's trim and the like) is what lies between those pieces."""
     full = template.render(messages, False, **variables)
     holes = [dict(m) for m in messages]
