@@ -199,3 +199,25 @@ def test_bad_input(ctx):
     with pytest.raises(fu.ShapeMismatch, match="bias of shape"):
         q.grouped_attention(k, v, [0, 0], "o", 1.0, mask="bidirectional",
                             bias=ctx.tensor(rand(4, 5), ("a", "b")))
+
+
+@pytest.mark.parametrize("T,H,KVH,D,window,kv", [(1, 2, 1, 8, 0, "f32"), (57, 9, 3, 64, 0, "f32"),
+                                                 (700, 4, 1, 256, 512, "f32"),
+                                                 (33, 6, 2, 48, 0, "f16"), (40, 4, 4, 17, 7, "f16")])
+def test_one_query_decode_kernel(ctx1, ctx2, T, H, KVH, D, window, kv):
+    """A single query without gradients (a decode step) runs the one-launch decode kernel:
+    torch's values, the same bits at 1 and 2 threads."""
+    heads = [h // (H // KVH) for h in range(H)]
+    q, k, v = rand(1, H, D), rand(T, KVH, D), rand(T, KVH, D)
+    if kv == "f16":
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    outs = []
+    for c in (ctx1, ctx2):
+        with fu.no_grad():
+            y = c.tensor(q, QT).grouped_attention(c.tensor(k, KT, dtype=kv), c.tensor(v, KT, dtype=kv),
+                                                  heads, "hd", scale, window=window)
+        outs.append(y.numpy())
+    want = torch_attention(*(torch.tensor(a) for a in (q, k, v)), heads, scale, True, window)
+    np.testing.assert_allclose(outs[0], want.numpy(), rtol=2e-5, atol=2e-5)
+    assert_bitwise(outs[0], outs[1])

@@ -7,7 +7,7 @@ import pytest
 
 import fucina as fu
 from fucina.cli.tiny_model import build_tiny_model
-from fucina.llm.generation import KVCache, _Text, load
+from fucina.llm.generation import Decoder, KVCache, _Text, load
 from fucina.llm.sampling import Settings, pick
 
 WEIGHTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
@@ -105,6 +105,65 @@ def test_prefill_and_decode_logits_match_the_full_forward(models, arch, kv):
     want = full[split - 1:]
     tol = 2e-5 if kv == "f32" else 5e-3
     np.testing.assert_allclose(np.stack(got), want, rtol=0, atol=tol * np.abs(want).max())
+
+
+def decode_logits(lm, ids, tokens, kv, eager):
+    """The logits of one-token decode steps feeding `tokens` after the prompt `ids`."""
+    ctx = lm.ctx
+    out = []
+    with fu.no_grad():
+        cache = KVCache(lm.model, len(ids) + len(tokens), kv)
+        dec = Decoder(lm, cache)
+        dec.eager = eager
+        with ctx.exec_scope():
+            lm.forward(ids, cache)
+        for t in tokens:
+            with ctx.exec_scope():
+                out.append(dec(t).numpy().copy())
+    return out, dec.replaying
+
+
+@pytest.mark.parametrize("arch,weights,kv,threads", [
+    *[("qwen3", w, "f32", 1) for w in WEIGHTS], ("llama", "q4_1", "f32", 2),
+    ("llama", "f16", "f16", 1), ("qwen3", "q4_k", "f16", 2)])
+def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, threads):
+    """After a warm step and three recorded ones, decode steps replay a recorded plan
+    (fucina/exec/plan.py); their logits are bitwise those of the eager steps."""
+    ctx = fu.ExecContext(threads=threads)
+    lm = load(models[(arch, weights)], ctx, kv_dtype=kv)
+    ids = lm.encode(PROMPT)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, lm.model.config.vocab, 9)]
+    eager, replayed = decode_logits(lm, ids, tokens, kv, True)
+    assert not replayed
+    got, replayed = decode_logits(lm, ids, tokens, kv, False)
+    assert replayed
+    for a, b in zip(got, eager):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_replay_with_adapters_on_the_fly(models, tmp_path):
+    """LoRA adapters applied on the fly are part of the recorded step."""
+    path = models[("qwen3", "q8_0")]
+    ctx = fu.ExecContext(threads=1)
+    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
+    tr = fu.llm.qwen3.Trainer(model, fu.llm.qwen3.Targets(q=True, v=True, down=True),
+                              fu.lora.LoraConfig(4, 8), 1)
+    for _, ad in tr.named_adapters():
+        fu.rng.normal_fill(3, ad.b, 0.0, 0.5)
+    d = tmp_path / "ckpt"
+    fu.io.begin_save(str(d))
+    tr.save_adapters(str(d / "adapters.safetensors"))
+    fu.io.save_trainer_state(str(d), fu.io.TrainerState(step=1, seed=1, lora_rank=4,
+                                                        lora_alpha=8.0))
+    lm, base = load(path, ctx, adapters=str(d)), load(path, ctx)
+    ids, tokens = lm.encode(PROMPT), [5, 9, 11, 2, 7, 1, 3]
+    eager, _ = decode_logits(lm, ids, tokens, "f32", True)
+    got, replayed = decode_logits(lm, ids, tokens, "f32", False)
+    plain, _ = decode_logits(base, ids, tokens, "f32", False)
+    assert replayed
+    for a, b, c in zip(got, eager, plain):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert not np.array_equal(a, c)
 
 
 def test_sampling_is_identical_at_one_and_two_threads(models):

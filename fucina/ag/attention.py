@@ -117,6 +117,10 @@ def attention(op, q, k, v, heads, out_tag, scale, mask, window, bias):
             raise UnsupportedGradient(f"{op}: an attention bias is inference-only; expected no "
                                       f"operand requiring grad (use fu.no_grad())")
         br = ew.materialize(ctx, br)
+    if S == 1 and causal and br is None and standard and not needs_graph(q, k, v):
+        out, _ = exa.decode(ctx, ew.materialize(ctx, qr), ew.materialize(ctx, kr),
+                            ew.materialize(ctx, vr), KVH, int(window), scale)
+        return finish_op(op, out, ("seq", out_tag), (q, k, v), None)
     half = kr.dtype == "f16"
     if half and needs_graph(k, v):
         raise UnsupportedGradient(f"{op}: f16 k/v get no gradient (gradient flows to q only); "

@@ -14,7 +14,6 @@ from ..exec import reduce as red
 from ..errors import ContextMismatch, DTypeError, GradientCastUnsupported
 from ..exec.dtypes import BLOCKS, check as check_dtype
 from ..exec.raw import RawTensor
-from ..runtime import _rt
 from . import engine
 from .checks import real
 from .engine import finish_op, needs_graph
@@ -161,8 +160,7 @@ class ElementwiseMethods:
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, la, lb = p
             out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
-            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
-                       out.addr, a.addr, b.addr, *tail)
+            ctx.launch(addr, nch, cost, out.addr, a.addr, b.addr, *tail)
             na, nb = self._node, other._node
             node = None
             if (na is not None or nb is not None) and not engine._mode.disabled:
@@ -182,8 +180,7 @@ class ElementwiseMethods:
             bits = ew.cached_f32_bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
             out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
             x, y = (bits, a.addr) if reflected else (a.addr, bits)
-            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
-                       out.addr, x, y, *tail)
+            ctx.launch(addr, nch, cost, out.addr, x, y, *tail)
             node = None
         else:
             return self._binary_slow(op, other, reflected)

@@ -15,6 +15,10 @@ masked. z = s·scale (+ bias[i, c] when the key has a bias).
   probs    backward: p = e^(z − lse) over s, 0 outside [lo, hi).
   dscores  backward: ds = p·(dp − D)·scale written over dp (D = Σ_d dout·out of the row).
   rowdot   D[head, q] = Σ_d a[q, head, :]·b[q, head, :].
+  decode   one query row per head against keys [max(0, T − w), T) of an f32 or f16 cache (w = 0:
+           all): the scores' max in a first pass, then p = e^(z − m), l = Σ p and out = Σ p·v / l
+           in a second (the scores are recomputed rather than stored, so the kernel needs no
+           scratch sized by T: a decode step's buffers do not depend on the position).
 
 Sums and maxima fold in the fixed order of rows.fold_pass, and a row never spans two work items,
 so the bits do not depend on the thread count.
@@ -32,23 +36,26 @@ from .kernels import KernelKey, register
 from .rows import accs_of, fadd, finite, fmax, fold_pass, map_pass
 from .target import host
 
-OPS = ("online", "finish", "probs", "dscores", "rowdot")
+OPS = ("online", "finish", "probs", "dscores", "rowdot", "decode")
 
 
 @register
 @dataclass(frozen=True)
 class AttentionKey(KernelKey):
-    """op in OPS; bias: an additive [q, kv] f32 bias on the scaled scores (online, probs)."""
+    """op in OPS; bias: an additive [q, kv] f32 bias on the scaled scores (online, probs);
+    kv: the dtype of the keys and values (decode reads an f16 cache as it is)."""
 
     family = "attention"
     op: str
     bias: bool = False
+    kv: str = "f32"
 
     def ir(self, symbol: str) -> str:
         if self.op not in OPS:
             raise ValueError(f"attention kernel: unknown op {self.op!r}")
         return u.module(symbol, {"online": _online, "finish": _finish, "probs": _probs,
-                                 "dscores": _dscores, "rowdot": _rowdot}[self.op], self)
+                                 "dscores": _dscores, "rowdot": _rowdot,
+                                 "decode": _decode}[self.op], self)
 
 
 def _rows(b, c0, c1, per, R):
@@ -214,3 +221,58 @@ def _rowdot(key, b, args, c0, c1):
             u.load(b, xb, c, "f32", W, m), u.load(b, yb, c, "f32", W, m)), fadd, 0.0)
         q, h = b.sdiv(r, H), b.srem(r, H)
         u.store(b, fold(b, sx, fadd), D, b.add(b.mul(h, seq), q), "f32")
+
+
+def _decode(key, b, args, c0, c1):
+    """args: q, k, v, out, lse, T, w, G, d, scale, row (k/v elements per position); chunk = head h,
+    reading KV head h // G. q and out are [H, d] rows, lse [H]."""
+    W = host().f32_lanes
+    vt = ir.VectorType(u.F32, W)
+    q, k, v, out, lse = (u.arg_ptr(b, args, i) for i in range(5))
+    T, w, G, d = (u.arg(b, args, i) for i in range(5, 9))
+    scale = u.arg_f32(b, args, 9)
+    row = u.arg(b, args, 10)
+    kv = key.kv
+    lo = b.select(b.icmp_signed(">", w, u.i64(0)), b.sub(T, w), u.i64(0))
+    lo = b.select(b.icmp_signed("<", lo, u.i64(0)), u.i64(0), lo)
+    sx = accs_of(b, vt, 0.0)
+    mslot, lslot = u.entry_alloca(b, u.F32), u.entry_alloca(b, u.F32)
+    with u.Loop(b, c0, c1, 1, "h") as h:
+        qb = b.gep(q, [b.mul(h, d)], source_etype=u.F32)
+        ob = b.gep(out, [b.mul(h, d)], source_etype=u.F32)
+        head = b.mul(b.sdiv(h, G), d)
+
+        def at(base, t):
+            return b.gep(base, [b.add(b.mul(t, row), head)], source_etype=u.STORAGE[kv])
+
+        def score(t):
+            kb = at(k, t)
+            for p in sx:
+                b.store(u.const(vt, 0.0), p)
+            fold_pass(b, u.i64(0), d, W, sx, lambda c, m: b.fmul(
+                u.load(b, qb, c, "f32", W, m), u.load(b, kb, c, kv, W, m)), fadd, 0.0)
+            return b.fmul(fold(b, sx, fadd), scale)
+
+        b.store(u.const(u.F32, float("-inf")), mslot)
+        with u.Loop(b, lo, T, 1, "t") as t:
+            b.store(fmax(b, b.load(mslot), score(t)), mslot)
+        m = b.load(mslot)
+        fin = finite(b, m)
+        shift = b.select(fin, m, u.const(u.F32, 0.0))
+        zero = u.const(vt, 0.0)
+        map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(b, zero, ob, c, "f32", msk))
+        b.store(u.const(u.F32, 0.0), lslot)
+        with u.Loop(b, lo, T, 1, "t") as t:
+            p = vmath.exp(b, b.fsub(score(t), shift))
+            b.store(b.fadd(b.load(lslot), p), lslot)
+            vb, pv = at(v, t), u.splat(b, p, W)
+            map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(b, b.fadd(
+                u.load(b, ob, c, "f32", W, msk), b.fmul(pv, u.load(b, vb, c, kv, W, msk))),
+                ob, c, "f32", msk))
+        l = b.load(lslot)
+        some = b.fcmp_ordered(">", l, u.const(u.F32, 0.0))
+        inv = u.splat(b, b.select(some, b.fdiv(u.const(u.F32, 1.0), l), u.const(u.F32, 0.0)), W)
+        map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(
+            b, b.fmul(u.load(b, ob, c, "f32", W, msk), inv), ob, c, "f32", msk))
+        u.store(b, b.select(some, b.fadd(m, vmath.log(b, l)), u.const(u.F32, float("-inf"))),
+                lse, h, "f32")

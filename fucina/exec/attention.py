@@ -135,6 +135,22 @@ def forward(ctx, q: RawTensor, k: RawTensor, v: RawTensor, geo: Geometry, scale:
     return out, lse
 
 
+def decode(ctx, q: RawTensor, k: RawTensor, v: RawTensor, KVH: int, window: int,
+           scale: float) -> tuple[RawTensor, RawTensor]:
+    """One query position (a decode step) over every key of k and v (f32 or f16, contiguous
+    [T, KVH, D]; the last `window` when window > 0): (out [1, H·D], lse [H, 1]) by one launch,
+    a head per chunk. Its arguments are affine in T and no buffer depends on T, which lets a
+    decode step be recorded and replayed (fucina/llm/replay.py)."""
+    _, H, D = q.shape
+    T = k.shape[0]
+    out = ctx.empty((1, H * D), "f32")
+    lse = ctx.empty((H, 1), "f32")
+    ctx.launch(kernels.get(AttentionKey("decode", kv=k.dtype)), H, 4 * H * T * D * 2,
+               q.addr, k.addr, v.addr, out.addr, lse.addr, T, window, H // KVH, D,
+               f32_bits(scale), KVH * D)
+    return out, lse
+
+
 # ---------------------------------------------------------------------------------------------
 # backward
 

@@ -115,7 +115,7 @@ def gather(ctx, x: RawTensor, axis: int, idx: RawTensor, *, rows: bool, op: str,
     pool = ctx.pool
     out = RawTensor(pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
     flag = pool.alloc(8, False, True)
-    _rt.launch(ctx.team_for(n_chunks, cost), addr, n_chunks, cost, x.addr, out.addr, idx.addr, flag.addr, *tail)
+    ctx.launch(addr, n_chunks, cost, x.addr, out.addr, idx.addr, flag.addr, *tail)
     if _FLAG.unpack_from(flag)[0]:
         _raise_bad(idx, N, op, where)
     return out
@@ -336,13 +336,12 @@ def join(ctx, plan, pieces) -> RawTensor:
     lay, addr, n_chunks, cost, grid, fixed, table = plan
     pool = ctx.pool
     out = RawTensor(pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
-    team = ctx.team_for(n_chunks, cost)
     if table is None:
-        _rt.launch(team, addr, n_chunks, cost, out.addr, *grid, 0, *[p.addr for p in pieces], *fixed)
+        ctx.launch(addr, n_chunks, cost, out.addr, *grid, 0, *[p.addr for p in pieces], *fixed)
     else:
         buf = pool.alloc(table.size, False)
         table.pack_into(buf, 0, *[p.addr for p in pieces], *fixed)
-        _rt.launch(team, addr, n_chunks, cost, out.addr, *grid, buf.addr)
+        ctx.launch(addr, n_chunks, cost, out.addr, *grid, buf.addr)
     return out
 
 

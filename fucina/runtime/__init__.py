@@ -17,6 +17,10 @@ Everything lives in the extension module ``fucina.runtime._rt``; this package on
   ``void k(const int64_t *args, int64_t c0, int64_t c1)`` over chunks ``[0, n_chunks)``; inline
   when ``cost`` (bytes touched) is below ``get_inline_threshold()``, else spread over the team.
   Unused argument slots read as 0.
+* ``run_plan(team_or_None, plan, x)`` — run a recorded plan: an int64 buffer of entries
+  ``[fn, nargs, chunks_a, chunks_b, cost_a, cost_b, args_a[nargs], args_b[nargs]]`` with every
+  value ``a + b*x``, each entry exactly as ``launch`` would run it, in one call without the GIL
+  (a decode step: fucina/llm/replay.py).
 """
 
 from ._rt import (  # noqa: F401
@@ -31,6 +35,7 @@ from ._rt import (  # noqa: F401
     get_gil_threshold,
     get_inline_threshold,
     launch,
+    run_plan,
     set_gil_threshold,
     set_inline_threshold,
     test_kernel_addr,
@@ -48,6 +53,7 @@ __all__ = [
     "get_gil_threshold",
     "get_inline_threshold",
     "launch",
+    "run_plan",
     "set_gil_threshold",
     "set_inline_threshold",
     "test_kernel_addr",

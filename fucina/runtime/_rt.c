@@ -1169,6 +1169,113 @@ rt_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* plans: a recorded sequence of launches replayed in one call                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A plan is an int64 array of entries [fn, nargs, chunks_a, chunks_b, cost_a, cost_b,
+ * args_a[nargs], args_b[nargs]]; at position x every value is a + b*x (two's-complement
+ * wraparound, so addresses and float bit patterns with b = 0 pass through untouched). Each
+ * entry then runs exactly as launch() would run it: inline unless it has more than one chunk
+ * and its cost reaches the inline threshold, else over the team. */
+#define RT_PLAN_HEAD 6
+
+static inline int64_t
+rt_affine(const int64_t *ab, Py_ssize_t stride, int64_t x)
+{
+    return (int64_t)((uint64_t)ab[0] + (uint64_t)ab[stride] * (uint64_t)x);
+}
+
+/* run_plan(team_or_None, plan, x) */
+static PyObject *
+rt_run_plan(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "run_plan(team_or_None, plan, x)");
+        return NULL;
+    }
+    TeamObject *team = NULL;
+    if (a[0] != Py_None) {
+        if (!PyObject_TypeCheck(a[0], &TeamType)) {
+            PyErr_Format(PyExc_TypeError, "run_plan(): team must be a Team or None, not %.100s",
+                         Py_TYPE(a[0])->tp_name);
+            return NULL;
+        }
+        team = (TeamObject *)a[0];
+        if (team->closed) {
+            PyErr_SetString(PyExc_RuntimeError, "team closed");
+            return NULL;
+        }
+    }
+    int64_t x;
+    if (rt_as_bits64(a[2], &x) < 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(a[1], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const int64_t *p = (const int64_t *)view.buf;
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(int64_t);
+    /* check the whole plan at this x before running any of it */
+    const char *bad = NULL;
+    if (view.len % (Py_ssize_t)sizeof(int64_t) != 0)
+        bad = "plan length is not a multiple of 8 bytes";
+    for (Py_ssize_t i = 0; bad == NULL && i < n;) {
+        if (n - i < RT_PLAN_HEAD) {
+            bad = "plan ends inside an entry header";
+            break;
+        }
+        int64_t k = p[i + 1];
+        if (p[i] == 0)
+            bad = "plan entry has kernel address 0";
+        else if (k < 0 || k > RT_MAX_ARGS)
+            bad = "plan entry has a bad argument count";
+        else if (n - i < RT_PLAN_HEAD + 2 * k)
+            bad = "plan ends inside an entry's arguments";
+        else {
+            int64_t chunks = rt_affine(p + i + 2, 1, x), cost = rt_affine(p + i + 4, 1, x);
+            if (chunks < 0 || chunks > (int64_t)UINT32_MAX || cost < 0)
+                bad = "plan entry has chunks outside [0, 2**32) or a negative cost at this x";
+        }
+        i += RT_PLAN_HEAD + 2 * (k < 0 ? 0 : k);
+    }
+    if (bad != NULL) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "run_plan(): %s", bad);
+        return NULL;
+    }
+    int fan = team != NULL && team->nthreads > 1 && !team->busy && team->epoch == rt_fork_epoch;
+    if (fan) {
+        team->busy = 1;
+        Py_INCREF(team);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int64_t argv[RT_MAX_ARGS];
+    for (Py_ssize_t i = 0; i < n;) {
+        rt_kernel_fn fn = (rt_kernel_fn)(uintptr_t)p[i];
+        int64_t k = p[i + 1];
+        int64_t chunks = rt_affine(p + i + 2, 1, x), cost = rt_affine(p + i + 4, 1, x);
+        const int64_t *ab = p + i + RT_PLAN_HEAD;
+        for (int64_t j = 0; j < k; j++)
+            argv[j] = rt_affine(ab + j, k, x);
+        for (int64_t j = k; j < RT_MAX_ARGS; j++)
+            argv[j] = 0;
+        if (chunks > 0) {
+            if (fan && chunks > 1 && cost >= rt_inline_threshold)
+                rt_team_run(team->sh, fn, argv, chunks);
+            else
+                fn(argv, 0, chunks);
+        }
+        i += RT_PLAN_HEAD + 2 * k;
+    }
+    Py_END_ALLOW_THREADS
+    if (fan) {
+        team->busy = 0;
+        Py_DECREF(team);
+    }
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 rt_set_threshold(int64_t *slot, PyObject *arg, const char *what)
 {
@@ -1329,6 +1436,10 @@ static PyMethodDef rt_methods[] = {
      "launch(team_or_None, addr, n_chunks, cost, *args): run kernel `addr` over chunks\n"
      "[0, n_chunks); args (<= 32 ints) are passed as an int64 array. cost (bytes touched)\n"
      "below the inline threshold runs on the caller without waking the team."},
+    {"run_plan", (PyCFunction)(void (*)(void))rt_run_plan, METH_FASTCALL,
+     "run_plan(team_or_None, plan, x): run a recorded plan (an int64 buffer of entries\n"
+     "[fn, nargs, chunks a, b, cost a, b, args a[nargs], args b[nargs]]) with every value\n"
+     "a + b*x, each entry as launch() would run it, in one call without the GIL"},
     {"borrow", (PyCFunction)rt_borrow, METH_O,
      "borrow(obj) -> Buffer: zero-copy, never pooled; writable iff obj's buffer is"},
     {"test_kernel_addr", (PyCFunction)rt_test_kernel_addr, METH_O,

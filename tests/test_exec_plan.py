@@ -1,0 +1,141 @@
+"""Recorded launch plans (fucina/exec/plan.py, runtime run_plan): a region recorded at three
+consecutive positions replays from C with the eager bits; regions that are not affine in the
+position have no plan; a malformed plan is refused before anything runs."""
+import numpy as np
+import pytest
+
+import fucina as fu
+from fucina.exec import elementwise as ew
+from fucina.exec import plan
+from fucina.runtime import _rt
+
+from conftest import assert_bitwise
+
+N, D = 12, 16
+
+
+def put(dst, src):
+    """src's values into the raw view dst (outside autograd, as the KV cache writes rows)."""
+    ew.run(dst.ctx, "copy", "f32", dst.shape, (src._raw,), out=dst)
+
+
+def region(ctx, cache, w, pos):
+    """Write row `pos` of the key and value caches from the input row, then attend over rows
+    0..pos with one query (the decode kernel) and project: the cache row's address, the number
+    of keys and the costs move with pos, linearly by construction."""
+    x = ctx.state["x"]
+    k, v = cache
+    put(k._raw.narrow(0, pos, 1), (x * 2.0).tanh().reshape(("seq", "kv_head", "d"), (1, 2, D // 2)))
+    put(v._raw.narrow(0, pos, 1), x.sigmoid().reshape(("seq", "kv_head", "d"), (1, 2, D // 2)))
+    q = x.reshape(("seq", "head", "d"), (1, 2, D // 2))
+    att = q.grouped_attention(k.narrow("seq", 0, pos + 1), v.narrow("seq", 0, pos + 1), [0, 1],
+                              "d", 0.25)
+    return att.dot(w, "d").sum("seq")
+
+
+def new_cache(ctx):
+    return tuple(ctx.zeros((N, 2, D // 2), tags=("seq", "kv_head", "d")) for _ in range(2))
+
+
+def set_input(ctx, xin):
+    put(ctx.state["x"]._raw, ctx.tensor(xin, ("n", "d")))
+
+
+@pytest.fixture(params=[1, 2])
+def setup(request):
+    ctx = fu.ExecContext(threads=request.param)
+    rng = np.random.default_rng(3)
+    ctx.state = {"x": ctx.tensor(rng.standard_normal((1, D)).astype(np.float32), ("n", "d"))}
+    w = ctx.tensor(rng.standard_normal((D, 5)).astype(np.float32), ("d", "o"))
+    yield ctx, w, rng
+    ctx.close()
+
+
+def run_eager(ctx, w, inputs):
+    cache = new_cache(ctx)
+    outs = []
+    for pos, xin in enumerate(inputs):
+        set_input(ctx, xin)
+        with fu.no_grad(), ctx.exec_scope():
+            outs.append(region(ctx, cache, w, pos).numpy())
+    return outs
+
+
+def test_replay_gives_the_eager_bits(setup):
+    ctx, w, rng = setup
+    inputs = [rng.standard_normal((1, D)).astype(np.float32) for _ in range(N)]
+    want = run_eager(ctx, w, inputs)
+    cache = new_cache(ctx)
+    recs, outs, keep = [], [], []
+    for pos in range(3):
+        set_input(ctx, inputs[pos])
+        with fu.no_grad(), ctx.exec_scope():
+            with plan.record(ctx) as rec:
+                out = region(ctx, cache, w, pos)
+            recs.append(rec)
+            keep.append(out._raw)
+            outs.append(out.numpy())
+    p = plan.Plan.fit(recs, 0)
+    assert p is not None and p.launches == len(recs[0].launches) > 3
+    result = fu.Tensor(keep[0], ("o",))
+    for pos in range(3, N):
+        set_input(ctx, inputs[pos])
+        p.run(ctx, pos)
+        outs.append(result.numpy())
+    for a, b in zip(outs, want):
+        assert_bitwise(a, b)
+
+
+def test_a_region_whose_launches_change_has_no_plan(setup):
+    ctx, w, _ = setup
+    cache = new_cache(ctx)
+    recs = []
+    for pos in range(3):
+        with fu.no_grad(), ctx.exec_scope():
+            with plan.record(ctx) as rec:
+                region(ctx, cache, w, pos)
+                if pos == 2:            # one launch more on the third position
+                    ctx.state["x"].exp()
+            recs.append(rec)
+    assert plan.Plan.fit(recs, 0) is None
+    recs = []
+    for pos in (0, 1, 3):               # not consecutive: the slopes disagree
+        with fu.no_grad(), ctx.exec_scope():
+            with plan.record(ctx) as rec:
+                region(ctx, cache, w, pos)
+            recs.append(rec)
+    assert plan.Plan.fit(recs, 0) is None
+
+
+def test_recording_restores_the_context(setup):
+    ctx, w, _ = setup
+    pool = ctx.pool
+    with pytest.raises(ZeroDivisionError):
+        with plan.record(ctx):
+            1 / 0
+    assert ctx.pool is pool and "launch" not in vars(ctx)
+
+
+def test_run_plan_refuses_malformed_plans():
+    out = np.zeros(4, np.int64)
+    fill = _rt.test_kernel_addr("fill_index")
+    good = [fill, 3, 4, 0, 0, 0, out.ctypes.data, 1, 4, 0, 0, 0]   # 4 chunks of 1 index
+    _rt.run_plan(None, np.array(good, np.int64), 0)
+    assert out.tolist() == [0, 1, 2, 3]
+    bad = {"a multiple of 8": np.array(good, np.int64).tobytes()[:-3],
+           "header": np.array(good[:4], np.int64),
+           "address 0": np.array([0] + good[1:], np.int64),
+           "argument count": np.array(good[:1] + [99] + good[2:], np.int64),
+           "inside an entry's arguments": np.array(good[:-2], np.int64),
+           "chunks": np.array(good[:2] + [-1] + good[3:], np.int64)}
+    for what, p in bad.items():
+        out[:] = 7
+        with pytest.raises(ValueError, match=what):
+            _rt.run_plan(None, p, 0)
+        assert (out == 7).all()          # checked before anything ran
+    with pytest.raises(TypeError):
+        _rt.run_plan("team", np.array(good, np.int64), 0)
+    # slopes: chunks 0 + 1*x and n 0 + 1*x fill the first x entries
+    out[:] = -1
+    _rt.run_plan(None, np.array([fill, 3, 0, 1, 0, 0, out.ctypes.data, 1, 0, 0, 0, 1], np.int64), 2)
+    assert out.tolist() == [0, 1, -1, -1]
