@@ -8,7 +8,10 @@ an f32 KV cache); transformers loads the same file through its GGUF reader (dequ
 weights) and runs `generate` with its KV cache, greedy. Both take the same prompt (a chat turn
 rendered with the file's template, ~60 tokens) and produce 64 new tokens with EOS ignored.
 Prefill = prompt tokens / time to the first new token; decode = the following tokens / their
-time. Runs alternate (Fucina, transformers, ...), medians of the runs.
+time. Runs alternate (Fucina, transformers, ...), medians of the runs. The warm-up call leaves
+each LM its decode plan (recorded steps replayed from C, fucina/exec/plan.py), as a serving
+process has it after its first reply. Decode is measured with the default exact products and
+with `matvec="q8"` (8-bit activation rows, integer dots; opt-in: not the exact product).
 """
 from __future__ import annotations
 
@@ -56,8 +59,10 @@ def _one(threads: int, quick: bool) -> list[dict]:
                     None, note="skipped")]
     ctx = fu.ExecContext(threads=threads)
     lm = fu.llm.load(path, ctx)
+    fast = fu.llm.load(path, ctx, matvec="q8")
     ids = lm.encode(lm.render([{"role": "user", "content": QUESTION}]))
-    lm.generate(ids, max_new=4)                      # warm: kernels loaded, pools filled
+    for m in (lm, fast):          # warm: kernels loaded, pools filled, the decode plan recorded
+        m.generate(ids, max_new=8)
     hf = None
     if c.torch() is not None:
         try:
@@ -66,18 +71,20 @@ def _one(threads: int, quick: bool) -> list[dict]:
                 hf(ids)
         except ImportError:
             hf = None
-    ours, theirs = [], []
+    ours, theirs, q8 = [], [], []
     for _ in range(2 if quick else 5):
         g = _generate_all(lm, ids)
         ours.append((g.prefill_tokens_per_s, g.decode_tokens_per_s))
+        q8.append(_generate_all(fast, ids).decode_tokens_per_s)
         if hf is not None:
             with c.torch_threads(threads):
                 theirs.append(hf(ids))
     ctx.close()
     fp, fd = (float(np.median([o[k] for o in ours])) for k in (0, 1))
     out = []
-    for k, (what, target) in enumerate((("prefill", 1.5), ("decode", 10.0))):
-        f_rate = (fp, fd)[k]
+    for k, what, target in ((0, "prefill", 1.5), (1, "decode", 10.0),
+                            (1, "decode with matvec=q8", 10.0)):
+        f_rate = (fp, fd, float(np.median(q8)))[len(out)]
         h_rate = float(np.median([t[k] for t in theirs])) if theirs else None
         # the table's columns hold seconds per token (ratio = transformers / Fucina time)
         r = row(GROUP, f"SmolLM2-135M Q4_1, {what} ({len(ids)}-token chat prompt, {NEW} new "

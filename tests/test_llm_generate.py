@@ -123,14 +123,15 @@ def decode_logits(lm, ids, tokens, kv, eager):
     return out, dec.replaying
 
 
-@pytest.mark.parametrize("arch,weights,kv,threads", [
-    *[("qwen3", w, "f32", 1) for w in WEIGHTS], ("llama", "q4_1", "f32", 2),
-    ("llama", "f16", "f16", 1), ("qwen3", "q4_k", "f16", 2)])
-def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, threads):
+@pytest.mark.parametrize("arch,weights,kv,threads,matvec", [
+    *[("qwen3", w, "f32", 1, "exact") for w in WEIGHTS], ("llama", "q4_1", "f32", 2, "exact"),
+    ("llama", "f16", "f16", 1, "exact"), ("qwen3", "q4_k", "f16", 2, "exact"),
+    ("qwen3", "q4_1", "f32", 2, "q8"), ("llama", "q8_0", "f16", 1, "q8")])
+def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, threads, matvec):
     """After a warm step and three recorded ones, decode steps replay a recorded plan
     (fucina/exec/plan.py); their logits are bitwise those of the eager steps."""
     ctx = fu.ExecContext(threads=threads)
-    lm = load(models[(arch, weights)], ctx, kv_dtype=kv)
+    lm = load(models[(arch, weights)], ctx, kv_dtype=kv, matvec=matvec)
     ids = lm.encode(PROMPT)
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, lm.model.config.vocab, 9)]
     eager, replayed = decode_logits(lm, ids, tokens, kv, True)
@@ -139,6 +140,28 @@ def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, th
     assert replayed
     for a, b in zip(got, eager):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q8_0"])
+def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
+    """matvec="q8" changes decode steps only (the prompt's rows stay exact) and its logits
+    stay within the activation rounding's reach of the exact ones."""
+    ctx = fu.ExecContext(threads=1)
+    path = models[("qwen3", weights)]
+    exact, fast = load(path, ctx), load(path, ctx, matvec="q8")
+    ids = exact.encode(PROMPT)
+    tokens = [3, 17, 5, 11, 2, 8]
+    want, _ = decode_logits(exact, ids, tokens, "f32", False)
+    got, replayed = decode_logits(fast, ids, tokens, "f32", False)
+    assert replayed
+    with fu.no_grad(), ctx.exec_scope():
+        first = [lm.forward(ids, KVCache(lm.model, len(ids))).numpy() for lm in (exact, fast)]
+    assert np.array_equal(first[0], first[1])
+    for a, b in zip(got, want):
+        assert not np.array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.02 * np.abs(b).max())
+    with pytest.raises(TypeError, match="matvec: expected one of"):
+        load(path, ctx, matvec="int8")
 
 
 def test_replay_with_adapters_on_the_fly(models, tmp_path):

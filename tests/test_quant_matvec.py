@@ -98,3 +98,65 @@ def test_bad_input(ctx1):
         ctx1.tensor(rnd(1, 544), ("s", "i")).dot(q, "i")
     with pytest.raises(fu.FucinaError, match="dot"):
         ctx1.tensor(rnd(1, 576), ("s", "i")).to("f16").dot(q, "i")
+
+
+# ---------------------------------------------------------------------------------------------
+# dot_q8: the activation row rounded to 8 bits per 32-block, integer dots (codegen/quant_q8.py)
+
+Q8 = ["q4_0", "q4_1", "q8_0"]
+needs_vnni = pytest.mark.skipif(not xq.quant_q8.available(),
+                                reason="the host lacks AVX-512 VNNI/VBMI (dot_q8 is the exact dot)")
+
+
+def q8_rounded(xa):
+    """x as the q8_row kernel rounds it: per 32-block dx = max|x| / 127, q = round-half-even
+    (x · (127 / max|x|)), then q · dx (numpy, float32 arithmetic as the kernel's)."""
+    b = xa.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * d).reshape(xa.shape)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", Q8)
+@pytest.mark.parametrize("N,K", [(1536, 576), (576, 1536), (37, 128), (9, 160), (6, 224),
+                                 (5, 96 * 4)])
+def test_dot_q8_is_the_product_with_the_rounded_row(ctx1, ctx2, fmt, N, K):
+    """The integer path equals x rounded per block times the stored weight (float64 numpy, to
+    f32 summation accuracy), an odd count of blocks and N off the 4-output grid included; the
+    same bits at 1 and 2 threads."""
+    q1, wd = qweight(ctx1, N, K, fmt)
+    q2 = fu.Tensor(xq.from_bytes(ctx2, q1._raw.buf, (N, K), fmt), q1.tags)
+    xa = rnd(1, K)
+    with fu.no_grad():
+        got = [c.tensor(xa, ("s", "i")).dot_q8(q, "i").numpy() for c, q in ((ctx1, q1), (ctx2, q2))]
+    assert_bitwise(got[0], got[1])
+    xr = q8_rounded(xa).astype(np.float64)
+    want = xr @ wd.T
+    scale = (np.abs(xr) @ np.abs(wd).T)
+    assert np.all(np.abs(got[0] - want) <= 4 * K * 2.0 ** -24 * scale + 1e-30)
+    exact = xa.astype(np.float64) @ wd.T      # and the rounding's own error is the bound's
+    bound = (np.abs(xa.reshape(-1, 32)).max(axis=1) / 254).repeat(32) @ np.abs(wd).T
+    assert np.all(np.abs(got[0] - exact) <= bound * 1.001 + 1e-6)
+
+
+def test_dot_q8_falls_back_and_refuses(ctx1):
+    """Weights it does not serve (other formats, rows under 128 values) take the exact dot;
+    gradients and more than one row are refused."""
+    for fmt, K in (("q4_k", 256), ("q4_0", 96), ("f32", 128)):
+        if fmt == "f32":
+            w = ctx1.tensor(rnd(7, K), ("o", "i"))
+        else:
+            w, _ = qweight(ctx1, 7, K, fmt)
+        x = ctx1.tensor(rnd(1, K), ("s", "i"))
+        with fu.no_grad():
+            assert_bitwise(x.dot_q8(w, "i").numpy(), x.dot(w, "i").numpy())
+    w, _ = qweight(ctx1, 7, 128, "q4_1")
+    if xq.quant_q8.available():
+        with pytest.raises(fu.UnsupportedGradient, match="dot_q8: inference only"):
+            ctx1.variable(rnd(1, 128), ("s", "i")).dot_q8(w, "i")
+        with fu.no_grad(), pytest.raises(fu.ShapeMismatch, match="dot_q8: expected one row"):
+            ctx1.tensor(rnd(2, 128), ("s", "i")).dot_q8(w, "i")
+    with fu.no_grad(), pytest.raises(fu.TagError):
+        ctx1.tensor(rnd(1, 128), ("s", "x")).dot_q8(w, "i")

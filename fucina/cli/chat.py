@@ -4,7 +4,7 @@
     fucina chat MODEL.gguf --prompt "Hi"           # one reply on stdout, nothing else there
         [--system TEXT] [--max-new N] [--temperature F] [--top-k N] [--top-p F] [--min-p F]
         [--repetition-penalty F] [--seed N] [--stop TEXT ...] [--threads N]
-        [--adapters DIR [--alpha A]] [--kv-dtype f32|f16]
+        [--adapters DIR [--alpha A]] [--kv-dtype f32|f16] [--matvec exact|q8]
 
 Turns are rendered with the model file's own chat template (fu.llm.load), so the model sees
 what it was trained on. After each reply a line on stderr gives the token counts and the
@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--adapters", metavar="DIR", help="LoRA adapters of a finetune save directory")
     ap.add_argument("--alpha", type=float, help="the adapters' alpha (default: as recorded)")
     ap.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32")
+    ap.add_argument("--matvec", choices=("exact", "q8"), default="exact",
+                    help="q8: decode steps round activations to 8 bits per block for integer "
+                         "dots with q4_0/q4_1/q8_0 weights (faster, not exact)")
     return ap
 
 
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
     try:
         fu.llm.sampling.Settings(a.temperature, a.top_k, a.top_p, a.min_p, a.repetition_penalty)
         ctx = fu.ExecContext(threads=a.threads)
-        lm = fu.llm.load(a.model, ctx, adapters=a.adapters, alpha=a.alpha, kv_dtype=a.kv_dtype)
+        lm = fu.llm.load(a.model, ctx, adapters=a.adapters, alpha=a.alpha, kv_dtype=a.kv_dtype,
+                         matvec=a.matvec)
     except (fu.FucinaError, OSError) as e:
         print(f"fucina chat: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ from .rows import fadd
 
 X_REGS = 8   # vector registers the gemv may hold x in
 SPLIT = 2    # gemv accumulators per output: even and odd vectors of k
+PREFETCH_ITEMS = 4   # the gemv prefetches the rows of w this many items ahead
 
 
 def _block_ptr(b, base, row, row_bytes, blk, nbytes):
@@ -94,6 +95,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     nblk = b.sdiv(K, u.i64(bs))
     row_bytes = b.mul(nblk, u.i64(nbytes))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
+    ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
     bufs = [_buffer(b, bs) for _ in range(CN)]
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
@@ -106,7 +108,9 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                     b.store(u.const(u.vec(u.F32, W), 0.0), a)
 
         def block(c, kb):   # decode a block of row c and use it at once (it stays in registers)
-            DECODERS[key.fmt](b, _block_ptr(b, w, rows[c], row_bytes, kb, nbytes), bufs[c])
+            src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
+            u.prefetch(b, src, ahead, "bool")
+            DECODERS[key.fmt](b, src, bufs[c])
             k0 = b.mul(kb, u.i64(bs))
             for v in range(bs // W):
                 wv = u.load(b, bufs[c], u.i64(v * W), "f32", W)

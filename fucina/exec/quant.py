@@ -14,6 +14,7 @@ import numpy as np
 from ..codegen import gemm as g
 from ..codegen import kernels
 from ..codegen.quant import ENCODABLE, QuantKey
+from ..codegen import quant_q8
 from ..codegen.quant_gemm import QuantCopyKey, QuantGemvKey, QuantRowsKey, QuantTileKey
 from ..errors import DTypeError, IndexOutOfBounds, InvalidShape, ShapeMismatch
 from . import elementwise as ew
@@ -175,6 +176,34 @@ def matmul(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
         ctx.launch(addr, n, cost, x.addr, w.addr, out.addr, *tail)
     else:
         mm.run_plan(ctx, plan, x, w, out, 0, 0, 0)
+    return out
+
+
+Q8_COLS = 4   # outputs per q8 gemv item
+
+
+def q8_fits(w: RawTensor) -> bool:
+    """matvec_q8 serves w: a q4_0 / q4_1 / q8_0 weight whose rows hold at least 128 values
+    (its whole-vector loads stay inside a row) on a host with AVX-512 VNNI and VBMI."""
+    return w.dtype in quant_q8.FMTS and w.shape[1] >= 128 and quant_q8.available()
+
+
+def matvec_q8(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
+    """One row x [1, K] (unit stride along K) times the q4_0 / q4_1 / q8_0 w [N, K]ᵀ with x
+    rounded to 8 bits per 32-block (codegen/quant_q8.py): a contiguous f32 [1, N]. Two
+    launches: x quantized once, then the integer-dot gemv over N. Bitwise identical for any
+    thread count; not the exact product (see quant_q8)."""
+    if ctx.closed:
+        ctx.check_open("dot_q8")
+    N, K = w.shape
+    pairs = -(-K // 64)
+    q = ctx.empty((pairs * quant_q8.PAIR // 4,), "f32")
+    ctx.launch(kernels.get(quant_q8.Q8RowKey()), 1, K * 4, x.addr, q.addr, K)
+    out = ctx.empty((1, N))
+    items = -(-N // Q8_COLS)
+    per = max(1, GEMV_WORK // (Q8_COLS * K))
+    ctx.launch(kernels.get(quant_q8.Q8GemvKey(w.dtype, Q8_COLS)), -(-items // per),
+               w.lay.nbytes + pairs * quant_q8.PAIR + N * 4, q.addr, w.addr, out.addr, N, K, per)
     return out
 
 

@@ -12,7 +12,9 @@ The cache holds, per layer, the rotated keys and the values of every position so
 one forward (prefill) whose keys and values are written into the cache; every later step
 feeds the one new token, writes its key and value row in place and attends over the filled
 prefix — earlier positions are never recomputed. The weights are used as the file stores them
-(a quantized matrix is read in place by `dot`, never widened per token).
+(a quantized matrix is read in place by `dot`, never widened per token). A decode step is ~500
+small launches: after a few eager steps the LM records one and replays it from C at each
+position (Decoder, fucina/exec/plan.py); the LM keeps its cache and that plan between replies.
 
 Text comes out in pieces as tokens are decoded: bytes of a multi-byte character split across
 tokens are held until the character is whole, and text that could still become a stop string
@@ -51,6 +53,8 @@ from .tokenizer import Tokenizer
 __all__ = ["load", "LM", "KVCache", "Decoder", "Generation"]
 
 KV_DTYPES = ("f32", "f16")
+MATVECS = ("exact", "q8")
+CACHE_STEP = 256   # the KV cache an LM keeps grows in steps of this many positions
 
 
 class KVCache:
@@ -156,10 +160,11 @@ class LM:
     adapters applied on the fly (`trainer`: their holder). See the module docstring."""
 
     def __init__(self, ctx, model: Model, tokenizer: Tokenizer, template: ChatTemplate,
-                 trainer: Trainer | None = None, kv_dtype: str = "f32"):
+                 trainer: Trainer | None = None, kv_dtype: str = "f32", matvec: str = "exact"):
         self.ctx, self.model, self.tokenizer, self.template = ctx, model, tokenizer, template
-        self.trainer, self.kv_dtype = trainer, kv_dtype
+        self.trainer, self.kv_dtype, self.matvec = trainer, kv_dtype, matvec
         self.context_length = model.config.context_length
+        self._decode = None
         self._stop_ids = frozenset(i for i in (tokenizer.eos_id,
                                                *(tokenizer.token_to_id(s)
                                                  for s in template.stop_strings()))
@@ -236,8 +241,8 @@ class LM:
         history = list(ids)
         ctx = self.ctx
         with no_grad():
-            cache = KVCache(self.model, length, self.kv_dtype)
-            decode = Decoder(self, cache)
+            decode = self._decoder(length)
+            cache = decode.cache
             t0 = time.perf_counter()
             token = None
             for step in range(max_new):
@@ -262,7 +267,7 @@ class LM:
                 if text.stopped:
                     out.finish_reason = "stop"
                     break
-                if cache.pos >= cache.length and len(out.ids) < max_new:
+                if cache.pos >= length and len(out.ids) < max_new:
                     out.finish_reason = "length"      # the context is full
                     break
                 t0 = time.perf_counter()
@@ -272,6 +277,18 @@ class LM:
         out.text = text.text
         if result is not None:
             result.append(out)
+
+    def _decoder(self, length: int) -> "Decoder":
+        """The LM's decoder with a cache of at least `length` positions, emptied. It is kept
+        between replies (its recorded plan with it), and replaced by a larger one (rounded up
+        to CACHE_STEP positions, at most the context length) when a reply needs more."""
+        dec = self._decode
+        if dec is None or dec.cache.length < length:
+            size = min(self.context_length, -(-length // CACHE_STEP) * CACHE_STEP)
+            self._decode = dec = None      # the old cache's memory goes first
+            dec = self._decode = Decoder(self, KVCache(self.model, size, self.kv_dtype))
+        dec.begin()
+        return dec
 
     def generate(self, prompt, **settings) -> Generation:
         """The whole reply to `prompt` (str as is, or ids) as a Generation (see stream)."""
@@ -308,6 +325,12 @@ class Decoder:
     def replaying(self) -> bool:
         return self.plan is not None
 
+    def begin(self) -> None:
+        """A new reply: the cache empties; a plan stays valid (its values are functions of the
+        position), recordings of an unfinished fit are dropped."""
+        self.cache.pos = 0
+        self.recordings = []
+
     def __call__(self, token: int) -> Tensor:
         """The logits [1, vocab] after `token` (call under no_grad and an exec scope)."""
         lm, cache, x = self.lm, self.cache, self.x._raw
@@ -318,11 +341,16 @@ class Decoder:
             cache.pos += 1
             return self.logits
         self.steps += 1
-        if self.eager or self.steps <= self.WARM:
-            return lm.through(self.x, cache)
-        at = cache.pos
-        with plan.record(lm.ctx) as rec:
-            logits = lm.through(self.x, cache)
+        model = lm.model
+        model.q8_matvec = lm.matvec == "q8"      # decode steps only; the prompt stays exact
+        try:
+            if self.eager or self.steps <= self.WARM:
+                return lm.through(self.x, cache)
+            at = cache.pos
+            with plan.record(lm.ctx) as rec:
+                logits = lm.through(self.x, cache)
+        finally:
+            model.q8_matvec = False
         self.recordings.append((rec, logits._raw, at))
         if len(self.recordings) == 3:
             self._fit(logits)
@@ -377,11 +405,19 @@ def attach_adapters(model: Model, path, alpha=None) -> Trainer:
 
 
 def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
-         think_off: bool = True) -> LM:
+         think_off: bool = True, matvec: str = "exact") -> LM:
     """Model, tokenizer and chat template of one GGUF file (weights in place), with LoRA
-    adapters from a finetune save directory applied on the fly when `adapters` is given."""
+    adapters from a finetune save directory applied on the fly when `adapters` is given.
+    matvec="exact" (default): every product uses the stored weight exactly, in f32 (greedy
+    ids equal transformers'); "q8": single-row products with q4_0/q4_1/q8_0 weights round the
+    activation row to 8 bits per 32-block and use integer dots (ggml's fast path,
+    Tensor.dot_q8) in decode steps — ~1.3x faster at one thread, but the outlier channels of
+    real hidden states make its logits differ by ~1% (SmolLM2's replies change after a few
+    tokens)."""
     if kv_dtype not in KV_DTYPES:
         raise TypeError(f"fu.llm.load: kv_dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
+    if matvec not in MATVECS:
+        raise TypeError(f"fu.llm.load: matvec: expected one of {MATVECS}, got {matvec!r}")
     if alpha is not None and adapters is None:
         raise TypeError("fu.llm.load: alpha= is the adapters' scale; expected adapters= with it")
     f = gguf.read(path, ctx) if not isinstance(path, gguf.GGUFFile) else path
@@ -389,4 +425,4 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
     template = ChatTemplate.from_gguf(f, tok, think_off=think_off)
     model = Model.from_gguf(ctx, f)
     trainer = None if adapters is None else attach_adapters(model, adapters, alpha)
-    return LM(ctx, model, tok, template, trainer, kv_dtype)
+    return LM(ctx, model, tok, template, trainer, kv_dtype, matvec)

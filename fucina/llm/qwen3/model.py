@@ -31,6 +31,7 @@ import numpy as np
 
 from ... import gguf
 from ...ag.rope import RopeTable
+from ...ag.engine import needs_graph
 from ...ag.tensor import Tensor
 from ...errors import IndexOutOfBounds, InvalidSequenceLength, ShapeMismatch
 from ...exec.quant import BLOCKS
@@ -75,6 +76,7 @@ class Model:
         self.layers = layers
         self.source = source          # the GGUFFile whose mapping backs the weights
         self._tables = {}
+        self.q8_matvec = False        # see dot
 
     def __repr__(self):
         c = self.config
@@ -134,10 +136,18 @@ class Model:
         x = e.gather("vocab", tokens, "seq")
         return x if x.dtype == "f32" else x.to("f32")
 
+    def dot(self, x: Tensor, w: Tensor, tag: str) -> Tensor:
+        """x · w for a projection: with `q8_matvec` set, a single row without a graph takes
+        the 8-bit-activation integer dot (Tensor.dot_q8; serving's decode steps), else the
+        exact dot."""
+        if self.q8_matvec and x.shape[0] == 1 and not needs_graph(x):
+            return x.dot_q8(w, tag)
+        return x.dot(w, tag)
+
     def linear(self, layer: int, name: str, x: Tensor, adapt=None) -> Tensor:
         """x · W_name of one layer (contracting the weight's input tag), then adapt(name, x,
         base) when given. (q, k, v go through `attention_inputs`, which knows fused weights.)"""
-        base = x.dot(self.layers[layer].linear[name], LINEARS[name][1])
+        base = self.dot(x, self.layers[layer].linear[name], LINEARS[name][1])
         return base if adapt is None else adapt(name, x, base)
 
     def attention_inputs(self, layer: int, attn_in: Tensor, adapt=None) -> tuple:
@@ -146,7 +156,7 @@ class Model:
         if w.qkv is None:
             return tuple(self.linear(layer, n, attn_in, adapt) for n in ("q", "k", "v"))
         c = self.config
-        fused = attn_in.dot(w.qkv, "embed")
+        fused = self.dot(attn_in, w.qkv, "embed")
         out, start = [], 0
         for name, n in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
             base = fused.narrow("qkv", start, n).reshape(("seq", name), (fused.shape[0], n))
@@ -183,7 +193,8 @@ class Model:
 
     def head(self, x: Tensor) -> Tensor:
         """Step 3: logits [seq, vocab] = rms_norm_mul(x, output_norm) · W_outputᵀ."""
-        return x.rms_norm_mul("embed", self.output_norm, self.config.rms_eps).dot(self.output, "embed")
+        return self.dot(x.rms_norm_mul("embed", self.output_norm, self.config.rms_eps), self.output,
+                        "embed")
 
     def forward_logits(self, tokens) -> Tensor:
         """The plain model (no adapters): logits [seq, vocab] for positions 0 .. len - 1."""

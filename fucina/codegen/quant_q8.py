@@ -1,0 +1,225 @@
+"""The 8-bit-activation matvec of q4_0 / q4_1 weights: one row of x against a quantized w as
+integer dot products (ggml's decode fast path, written for AVX-512 VNNI + VBMI).
+
+A decode step multiplies one activation row by every weight matrix; decoding each 4-bit block
+to f32 costs ~17 instructions per block and row, which keeps the exact kernel (quant_gemm's
+gemv) compute-bound at about half the memory bandwidth. Here x is first quantized per 32-block
+like ggml's q8_1 (dx = max|x| / 127, q = round-to-nearest-even(x / dx), sx = dx · Σq), and a
+block of w then costs a byte permute, two masks, one `vpdpbusd` (unsigned nibble × signed
+8-bit, 4 products per lane) and two FMAs of scale vectors, two blocks per 512-bit register:
+
+  y[n] = Σ_blocks d_w · dx · Σ_k q_w[k] · q_x[k]   (+ m_w · sx for q4_1, − 8 · d_w · sx for q4_0)
+
+This is not the exact product: x is rounded to 8 bits per block (a relative error of at most
+1/254 of the block's largest |x| per element). The sum order is fixed by K alone (per output:
+block pairs in increasing order into one vector, then a fixed lane tree), so the bits do not
+depend on the thread count.
+
+  q8_row     x [K] f32 -> per pair of blocks 192 bytes: q_x of both blocks (64 bytes), dx of
+             block 0 in lanes 0-7 and of block 1 in lanes 8-15 (16 f32), sx in lanes 0 and 8
+             (16 f32, zeros elsewhere); an odd last block is paired with zeros.
+  q8_gemv    y [N] from the q8_row buffer and w [N, K] (q4_0 / q4_1); one item = `cols` rows
+             of w, each pair of blocks read by one 40-byte masked load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import irutil as u
+from .emit import lane_tree
+from .kernels import KernelKey, register
+from .quant import FORMATS
+from .rows import fadd
+from .target import host
+
+FMTS = ("q4_0", "q4_1", "q8_0")
+PAIR = 192          # bytes of the q8_row buffer per pair of blocks
+PREFETCH_ITEMS = 4  # the gemv prefetches the rows this many items ahead
+
+
+def available() -> bool:
+    """The host has the instructions these kernels are written for (Zen 4 / Zen 5 do)."""
+    f = host().features
+    return all(f"+{x}" in f for x in ("avx512f", "avx512bw", "avx512vnni", "avx512vbmi"))
+
+
+def _v(elem, n):
+    return ir.VectorType(elem, n)
+
+
+def _shuffle(b, v, idx):
+    return b.shuffle_vector(v, ir.Constant(v.type, None),
+                            ir.Constant(_v(u.I32, len(idx)), list(idx)))
+
+
+@register
+@dataclass(frozen=True)
+class Q8RowKey(KernelKey):
+    """x quantized per block for q8_gemv. Arguments: 0 x (f32 [K]), 1 out (the pair buffer,
+    -(-K // 64) · 192 bytes, 64-byte aligned), 2 K (a multiple of 32). One chunk."""
+
+    family = "quant_q8_row"
+
+    def ir(self, symbol: str) -> str:
+        return u.module(symbol, _q8_row)
+
+
+def _q8_row(b, args, c0, c1):
+    f16 = _v(u.F32, 16)
+    x, out = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+    K = u.arg(b, args, 2)
+    nblk = b.sdiv(K, u.i64(32))
+    npair = b.sdiv(b.add(nblk, u.i64(1)), u.i64(2))
+    zero = u.const(f16, 0.0)
+    with u.Loop(b, u.i64(0), npair, 1, "p") as p:      # zero the scale vectors of the pair
+        base = b.mul(p, u.i64(PAIR // 4))
+        for off in (16, 32):
+            u.store(b, zero, out, b.add(base, u.i64(off)), "f32")
+        with b.if_then(b.icmp_signed("==", b.add(b.mul(p, u.i64(2)), u.i64(1)), nblk)):
+            qz = b.gep(out, [b.add(b.mul(p, u.i64(PAIR)), u.i64(32))], source_etype=u.I8)
+            b.store(u.const(_v(u.I8, 32), 0), qz)       # the zero partner of an odd last block
+    with u.Loop(b, u.i64(0), nblk, 1, "j") as j:
+        xs = [u.load(b, x, b.add(b.mul(j, u.i64(32)), u.i64(h)), "f32", 16) for h in (0, 16)]
+        ax = [u.intrinsic(b, "llvm.fabs", f16, [v]) for v in xs]
+        amax = lane_tree(b, u.intrinsic(b, "llvm.maxnum", f16, ax),
+                         lambda b, p, q: u.intrinsic(b, "llvm.maxnum", p.type, [p, q]))
+        some = b.fcmp_ordered(">", amax, u.const(u.F32, 0.0))
+        d = b.fdiv(amax, u.const(u.F32, 127.0))
+        inv = b.select(some, b.fdiv(u.const(u.F32, 127.0), amax), u.const(u.F32, 0.0))
+        iv = u.splat(b, inv, 16)
+        qs = [b.fptosi(u.intrinsic(b, "llvm.roundeven", f16, [b.fmul(v, iv)]), _v(u.I32, 16))
+              for v in xs]
+        p, half = b.sdiv(j, u.i64(2)), b.srem(j, u.i64(2))
+        pb = b.gep(out, [b.mul(p, u.i64(PAIR))], source_etype=u.I8)
+        for h, q in enumerate(qs):
+            dst = b.gep(pb, [b.add(b.mul(half, u.i64(32)), u.i64(16 * h))], source_etype=u.I8)
+            b.store(b.trunc(q, _v(u.I8, 16)), dst)
+        s = lane_tree(b, b.add(qs[0], qs[1]), lambda b, p, q: b.add(p, q))
+        sx = b.fmul(d, b.sitofp(s, u.F32))
+        lane = b.mul(half, u.i64(8))
+        dv = b.gep(pb, [u.i64(64)], source_etype=u.I8)
+        for k in range(8):
+            u.store(b, d, dv, b.add(lane, u.i64(k)), "f32")
+        u.store(b, sx, b.gep(pb, [u.i64(128)], source_etype=u.I8), lane, "f32")
+
+
+@register
+@dataclass(frozen=True)
+class Q8GemvKey(KernelKey):
+    """y[n] = w[n, :] · x through q8_row's buffer. Arguments: 0 the q8_row buffer, 1 w (fmt
+    blocks [N, K]), 2 y (f32 [N]), 3 N, 4 K, 5 items per chunk. Item q computes outputs
+    q·cols .. q·cols + cols − 1; an item past N's edge re-reads row N − 1 and stores nothing."""
+
+    family = "quant_q8_gemv"
+    fmt: str
+    cols: int
+
+    def ir(self, symbol: str) -> str:
+        if self.fmt not in FMTS:
+            raise ValueError(f"q8 gemv: expected a format in {FMTS}, got {self.fmt!r}")
+        return u.module(symbol, _q8_gemv, self)
+
+
+def _q8_gemv(key, b, args, c0, c1):
+    f16, i8x64 = _v(u.F32, 16), _v(u.I8, 64)
+    CN = key.cols
+    bs, nbytes = FORMATS[key.fmt]
+    nib = key.fmt != "q8_0"
+    qoff = 2 if key.fmt != "q4_1" else 4       # the quants follow d (and m)
+    px, w, y = (u.arg_ptr(b, args, i) for i in range(3))
+    N, K, per = (u.arg(b, args, i) for i in range(3, 6))
+    nblk = b.sdiv(K, u.i64(32))
+    full = b.sdiv(nblk, u.i64(2))              # pairs with both blocks
+    row_bytes = b.mul(nblk, u.i64(nbytes))
+    items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
+    ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
+    accs = [u.entry_alloca(b, f16) for _ in range(CN)]
+    # sx's factor: m for q4_1; the zero point of the unsigned quants for the others (q4_0
+    # stores q + 8; q8_0's signed bytes are flipped to q + 128 for vpdpbusd's unsigned side)
+    offset = {"q4_0": -8.0, "q8_0": -128.0}.get(key.fmt)
+
+    def load(at, shift, valid):
+        v = b.load(b.gep(w, [b.sub(at, u.i64(shift))], source_etype=u.I8), typ=i8x64)
+        v.align = 1
+        return v if valid is None else b.select(valid, v, u.const(i8x64, 0))
+
+    def weights(at, shift, valid):
+        """(the pair's 64 quants as unsigned bytes in x's order, the loaded words holding the
+        scales, the word of d per lane). A lone block (`valid` given) pairs with byte 0,
+        which `valid` zeroed."""
+        second = shift + nbytes if valid is None else None
+        dw = [shift // 2] * 8 + [0 if second is None else second // 2] * 8
+        v = load(at, shift, valid)
+        if nib:     # block 0's low nibbles (its elements 0-15), high nibbles (16-31), block 1's
+            pick = [0 if k >= 32 and second is None else
+                    (second if k >= 32 else shift) + qoff + k % 16 + (64 if (k // 16) % 2 else 0)
+                    for k in range(64)]
+            hi = b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 32)), u.const(_v(u.I16, 32), 4)), i8x64)
+            q = b.shuffle_vector(b.and_(v, u.const(i8x64, 15)), b.and_(hi, u.const(i8x64, 15)),
+                                 ir.Constant(_v(u.I32, 64), pick))          # vpermt2b
+        elif second is None:
+            q = b.shuffle_vector(v, v, ir.Constant(_v(u.I32, 64), [shift + qoff + k if k < 32
+                                                                   else 0 for k in range(64)]))
+        else:       # 68 bytes: block 1's quants from a second load 4 bytes on
+            v4 = load(b.add(at, u.i64(4)), 0, None)
+            q = b.shuffle_vector(v, v4, ir.Constant(_v(u.I32, 64), [
+                qoff + k if k < 32 else 64 + k for k in range(64)]))
+        if not nib:
+            q = b.xor(q, u.const(i8x64, 0x80))
+        return q, b.bitcast(v, _v(u.I16, 32)), dw
+
+    def pair(p, rows, shift, valid=None):
+        """Blocks 2p and 2p + 1 (or 2p alone) of every row. Loads are whole 64-byte loads;
+        those of a row's last pairs start `shift` bytes early so that they end inside the row
+        (a masked load is an order of magnitude slower on memory not yet in cache)."""
+        pb = b.gep(px, [b.mul(p, u.i64(PAIR))], source_etype=u.I8)
+        xq = b.bitcast(b.load(pb, typ=i8x64), _v(u.I32, 16))
+        dx = b.load(b.gep(pb, [u.i64(64)], source_etype=u.I8), typ=f16)
+        sx = b.load(b.gep(pb, [u.i64(128)], source_etype=u.I8), typ=f16)
+        if offset is not None:
+            sx = b.fmul(sx, u.const(f16, offset))
+        for c in range(CN):
+            at = b.add(rows[c], b.mul(p, u.i64(2 * nbytes)))
+            u.prefetch(b, w, b.add(at, ahead), "bool")
+            q, hw, dw = weights(at, shift, valid)
+            dot = u.intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", _v(u.I32, 16),
+                              [u.const(_v(u.I32, 16), 0), b.bitcast(q, _v(u.I32, 16)), xq],
+                              types=[])
+            d = b.fpext(b.bitcast(_shuffle(b, hw, dw), _v(u.F16, 16)), f16)
+            acc = b.load(accs[c])
+            acc = u.intrinsic(b, "llvm.fma", f16, [b.sitofp(dot, f16), b.fmul(d, dx), acc])
+            if key.fmt == "q4_1":
+                m = b.fpext(b.bitcast(_shuffle(b, hw, [k + 1 for k in dw]), _v(u.F16, 16)), f16)
+                acc = u.intrinsic(b, "llvm.fma", f16, [m, sx, acc])
+            else:
+                acc = u.intrinsic(b, "llvm.fma", f16, [d, sx, acc])
+            b.store(acc, accs[c])
+
+    with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
+        n0 = b.mul(q, u.i64(CN))
+        rows = [b.mul(u.smin(b, b.add(n0, u.i64(c)), b.sub(N, u.i64(1))), row_bytes)
+                for c in range(CN)]
+        for a in accs:
+            b.store(u.const(f16, 0.0), a)
+        # pairs whose 64 bytes from the pair on stay inside the row, then the rest (q8_0's
+        # pairs read 68 bytes by two loads, both inside)
+        if nib:
+            inside = b.sdiv(b.sub(row_bytes, u.i64(64 - 2 * nbytes)), u.i64(2 * nbytes))
+            inside = u.smin(b, b.select(b.icmp_signed("<", inside, u.i64(0)), u.i64(0), inside),
+                            full)
+        else:
+            inside = full
+        with u.Loop(b, u.i64(0), inside, 1, "p") as p:
+            pair(p, rows, 0)
+        if nib:
+            with u.Loop(b, inside, full, 1, "pe") as p:
+                pair(p, rows, 64 - 2 * nbytes)
+        with b.if_then(b.icmp_signed("!=", b.mul(full, u.i64(2)), nblk)):
+            keep = ir.Constant(_v(u.I1, 64), [k >= 64 - nbytes for k in range(64)])
+            pair(full, rows, 64 - nbytes, keep)
+        for c in range(CN):
+            with b.if_then(b.icmp_signed("<", b.add(n0, u.i64(c)), N)):
+                s = lane_tree(b, b.load(accs[c]), fadd)
+                b.store(s, b.gep(y, [b.add(n0, u.i64(c))], source_etype=u.F32))
