@@ -159,7 +159,7 @@ def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
     assert np.array_equal(first[0], first[1])
     for a, b in zip(got, want):
         assert not np.array_equal(a, b)
-        np.testing.assert_allclose(a, b, rtol=0, atol=0.02 * np.abs(b).max())
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.01 * np.abs(b).max())
     with pytest.raises(TypeError, match="matvec: expected one of"):
         load(path, ctx, matvec="int8")
 

@@ -92,6 +92,25 @@ def test_decode_step_layouts(ctx1):
     check_close(col.dot(q, "i").numpy(), col.numpy().T, wd)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
+    """The gemv's 16-value table decode of q4_0 / q4_1 multiplies exactly the weights the
+    block decoders give: the kernel with the table and without it agree bit for bit."""
+    from fucina.codegen import kernels
+    from fucina.codegen.quant_gemm import QuantGemvKey
+    N, K = 70, 576
+    q, _ = qweight(ctx1, N, K, fmt)
+    x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
+    outs = []
+    for table in (True, False):
+        y = ctx1.tensor(np.zeros((rows, N), np.float32), ("s", "o"))._raw
+        ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, 2, table)), 1, 0, x.addr, q._raw.addr,
+                    y.addr, N, K, K, N)
+        outs.append(fu.Tensor(y, ("s", "o")).numpy())
+    assert_bitwise(outs[0], outs[1])
+
+
 def test_bad_input(ctx1):
     q, _ = qweight(ctx1, 64, 576, "q4_1")
     with pytest.raises(fu.FucinaError, match="dot"):
@@ -109,9 +128,10 @@ needs_vnni = pytest.mark.skipif(not xq.quant_q8.available(),
 
 
 def q8_rounded(xa):
-    """x as the q8_row kernel rounds it: per 32-block dx = max|x| / 127, q = round-half-even
-    (x · (127 / max|x|)), then q · dx (numpy, float32 arithmetic as the kernel's)."""
-    b = xa.reshape(-1, 32).astype(np.float32)
+    """x as the q8_row kernel rounds it: per group of 4 values dx = max|x| / 127, q =
+    round-half-even(x · (127 / max|x|)), then q · dx (numpy, float32 arithmetic as the
+    kernel's)."""
+    b = xa.reshape(-1, 4).astype(np.float32)
     amax = np.abs(b).max(axis=1, keepdims=True)
     d = (amax / np.float32(127)).astype(np.float32)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -137,7 +157,7 @@ def test_dot_q8_is_the_product_with_the_rounded_row(ctx1, ctx2, fmt, N, K):
     scale = (np.abs(xr) @ np.abs(wd).T)
     assert np.all(np.abs(got[0] - want) <= 4 * K * 2.0 ** -24 * scale + 1e-30)
     exact = xa.astype(np.float64) @ wd.T      # and the rounding's own error is the bound's
-    bound = (np.abs(xa.reshape(-1, 32)).max(axis=1) / 254).repeat(32) @ np.abs(wd).T
+    bound = (np.abs(xa.reshape(-1, 4)).max(axis=1) / 254).repeat(4) @ np.abs(wd).T
     assert np.all(np.abs(got[0] - exact) <= bound * 1.001 + 1e-6)
 
 

@@ -176,11 +176,11 @@ class QuantMethods:
         return self._result(xq.get_rows(r.ctx, r, ax, idx, op, tag), tags)
 
     def dot_q8(self, w, tag: str):
-        """self.dot(w, tag) for one row of activations against a q4_0 / q4_1 weight, with the
-        row rounded to 8 bits per 32-block and integer dot products (ggml's decode path;
-        fucina/codegen/quant_q8.py): about twice the exact kernel's speed, at a relative
-        error of up to 1/254 of each block's largest |x| per activation. Inference only;
-        hosts without AVX-512 VNNI/VBMI, and other weight dtypes, get the exact dot."""
+        """self.dot(w, tag) for one row of activations against a q4_0 / q4_1 / q8_0 weight,
+        the row rounded to 8 bits per group of 4 values and multiplied by integer dots (ggml's
+        decode fast path; fucina/codegen/quant_q8.py): each activation is off by at most
+        1/254 of its group's largest |x|. Inference only; other weight dtypes, rows of fewer
+        than 128 values and hosts without AVX-512 VNNI/VBMI get the exact dot."""
         op = "dot_q8"
         r, wr = self._live(op), w._live(op)
         same_ctx(op, self, w)

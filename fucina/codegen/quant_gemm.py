@@ -66,6 +66,35 @@ def _buffer(b, floats):
 # ---------------------------------------------------------------------------------------------
 # few rows of x: decode each block of w once and use it against every row
 
+LUT_FORMATS = ("q4_0", "q4_1")
+
+
+def _lut_block(b, src, fmt):
+    """A q4_0 / q4_1 block as two 16-lane f32 vectors (elements 0-15, 16-31), decoded through
+    a table of the 16 values a nibble can take, built with the decoder's own arithmetic
+    (float(q − 8) · d, or float(q) · d + m): each weight is bitwise what the decoder gives,
+    for one permute per 16 weights instead of a convert, a multiply and an add."""
+    f16 = ir.VectorType(u.F32, 16)
+    i16 = ir.VectorType(u.I32, 16)
+    if fmt == "q4_0":
+        d = u.splat(b, b.fpext(b.load(src, typ=u.F16), u.F32), 16)
+        table = b.fmul(ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
+        qoff = 2
+    else:       # d and m converted together (one load, one vcvtph2ps), then each broadcast
+        dm = b.load(src, typ=ir.VectorType(u.F16, 2))
+        dm.align = 2
+        dm = b.fpext(dm, ir.VectorType(u.F32, 2))
+        d, m = (b.shuffle_vector(dm, dm, ir.Constant(i16, [k] * 16)) for k in (0, 1))
+        table = b.fadd(b.fmul(ir.Constant(f16, [float(q) for q in range(16)]), d), m)
+        qoff = 4
+    qs = b.load(b.gep(src, [u.i64(qoff)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
+    qs.align = 1
+    q = b.zext(qs, i16)
+    out = []
+    for idx in (b.and_(q, u.const(i16, 15)), b.lshr(q, u.const(i16, 4))):
+        out.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16, [table, idx], types=[]))
+    return out
+
 @register
 @dataclass(frozen=True)
 class QuantGemvKey(KernelKey):
@@ -80,6 +109,7 @@ class QuantGemvKey(KernelKey):
     fmt: str
     rows: int
     cols: int
+    table: bool = True   # q4_0 / q4_1 decoded through a 16-value table (_lut_block)
 
     def ir(self, symbol: str) -> str:
         return str(_build_gemv(self, symbol))
@@ -96,6 +126,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     row_bytes = b.mul(nblk, u.i64(nbytes))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
+    lut = key.table and key.fmt in LUT_FORMATS and W == 16
     bufs = [_buffer(b, bs) for _ in range(CN)]
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
@@ -110,10 +141,13 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
         def block(c, kb):   # decode a block of row c and use it at once (it stays in registers)
             src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
             u.prefetch(b, src, ahead, "bool")
-            DECODERS[key.fmt](b, src, bufs[c])
+            if lut:
+                decoded = _lut_block(b, src, key.fmt)
+            else:
+                DECODERS[key.fmt](b, src, bufs[c])
+                decoded = [u.load(b, bufs[c], u.i64(v * W), "f32", W) for v in range(bs // W)]
             k0 = b.mul(kb, u.i64(bs))
-            for v in range(bs // W):
-                wv = u.load(b, bufs[c], u.i64(v * W), "f32", W)
+            for v, wv in enumerate(decoded):
                 for r in range(RM):
                     xoff = b.add(b.mul(u.i64(r), s_xm), b.add(k0, u.i64(v * W)))
                     xv = u.load(b, x, xoff, "f32", W)

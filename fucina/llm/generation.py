@@ -409,11 +409,10 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
     """Model, tokenizer and chat template of one GGUF file (weights in place), with LoRA
     adapters from a finetune save directory applied on the fly when `adapters` is given.
     matvec="exact" (default): every product uses the stored weight exactly, in f32 (greedy
-    ids equal transformers'); "q8": single-row products with q4_0/q4_1/q8_0 weights round the
-    activation row to 8 bits per 32-block and use integer dots (ggml's fast path,
-    Tensor.dot_q8) in decode steps — ~1.3x faster at one thread, but the outlier channels of
-    real hidden states make its logits differ by ~1% (SmolLM2's replies change after a few
-    tokens)."""
+    ids equal transformers'); "q8": decode steps multiply q4_0/q4_1/q8_0 weights by the
+    activation row rounded to 8 bits per group of 4 values with integer dots (Tensor.dot_q8) —
+    ~1.3x faster at one thread, logits within ~0.5 % of the exact ones, so a greedy reply
+    can part from the exact one after a near tie."""
     if kv_dtype not in KV_DTYPES:
         raise TypeError(f"fu.llm.load: kv_dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
     if matvec not in MATVECS:
