@@ -221,3 +221,54 @@ def test_one_query_decode_kernel(ctx1, ctx2, T, H, KVH, D, window, kv):
     want = torch_attention(*(torch.tensor(a) for a in (q, k, v)), heads, scale, True, window)
     np.testing.assert_allclose(outs[0], want.numpy(), rtol=2e-5, atol=2e-5)
     assert_bitwise(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("lead,heads,window,kv", [((3,), None, 0, "f32"), ((2, 2), None, 3, "f32"),
+                                                  ((2,), [1, 0, 1, 0], 0, "f32"),
+                                                  ((2,), None, 0, "f16")])
+def test_batch_axes(ctx, lead, heads, window, kv):
+    """Leading batch axes: each item is attended on its own (torch on every item, gradients
+    included), and the result is bitwise the item run alone."""
+    S, T, H, KVH, D = 6, 9, 4, 2, 8
+    heads = heads or [h // (H // KVH) for h in range(H)]
+    names = tuple(f"b{i}" for i in range(len(lead)))
+    q, k, v = rand(*lead, S, H, D), rand(*lead, T, KVH, D), rand(*lead, T, KVH, D)
+    if kv == "f16":
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    g = rand(*lead, S, H * D)
+    scale = 0.3
+    Q = ctx.variable(q, names + QT)
+    K = (ctx.variable(k, names + KT) if kv == "f32" else ctx.tensor(k, names + KT, dtype=kv))
+    V = (ctx.variable(v, names + KT) if kv == "f32" else ctx.tensor(v, names + KT, dtype=kv))
+    y = Q.grouped_attention(K, V, heads, "hd", scale, window=window)
+    assert y.tags == names + ("seq", "hd") and y.shape == (*lead, S, H * D)
+    y.backward(grad=ctx.tensor(g, names + ("seq", "hd")))
+    flat = int(np.prod(lead))
+    for i in range(flat):
+        at = np.unravel_index(i, lead)
+        tq, tk, tv = (torch.tensor(a[at], requires_grad=True) for a in (q, k, v))
+        ty = torch_attention(tq, tk, tv, heads, scale, True, window)
+        ty.backward(torch.from_numpy(g[at]))
+        np.testing.assert_allclose(y.numpy()[at], ty.detach().numpy(), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(Q.grad().numpy()[at], tq.grad.numpy(), rtol=2e-5, atol=2e-5)
+        if kv == "f32":
+            for mine, theirs in ((K, tk), (V, tv)):
+                np.testing.assert_allclose(mine.grad().numpy()[at], theirs.grad.numpy(),
+                                           rtol=2e-5, atol=2e-5)
+        with fu.no_grad():
+            alone = ctx.tensor(q[at], QT).grouped_attention(
+                ctx.tensor(k[at], KT, dtype=kv), ctx.tensor(v[at], KT, dtype=kv), heads, "hd",
+                scale, window=window)
+        assert_bitwise(y.numpy()[at], alone.numpy())
+
+
+def test_batch_axes_bad_input(ctx):
+    q = ctx.tensor(rand(2, 3, 4, 8), ("b",) + QT)
+    k = ctx.tensor(rand(2, 5, 2, 8), ("b",) + KT)
+    with pytest.raises(fu.TagError, match="q's leading axes"):
+        q.grouped_attention(ctx.tensor(rand(5, 2, 8), KT), k, [0, 0, 1, 1], "o", 0.1)
+    with pytest.raises(fu.ShapeMismatch, match="leading axes"):
+        q.grouped_attention(ctx.tensor(rand(3, 5, 2, 8), ("b",) + KT), k, [0, 0, 1, 1], "o", 0.1)
+    with pytest.raises(fu.InvalidShape, match="bias takes no batch axes"):
+        q.grouped_attention(k, k, [0, 0, 1, 1], "o", 0.1, mask="bidirectional",
+                            bias=ctx.tensor(rand(3, 5), ("seq", "kv")))

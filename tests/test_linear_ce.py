@@ -136,8 +136,10 @@ def test_bad_input(ctx):
         X.linear_cross_entropy(ctx.tensor(rand(4, 8), ("row", "d")), [0] * 4)
     with pytest.raises(fu.ShapeMismatch, match="8 'd' features"):
         X.linear_cross_entropy(ctx.tensor(rand(6, 5), ("class", "d")), [0] * 4)
-    with pytest.raises(fu.InvalidShape, match="rank 2"):
-        ctx.tensor(rand(2, 2, 8), ("a", "row", "d")).linear_cross_entropy(W, [0] * 4)
+    with pytest.raises(fu.InvalidShape, match="rank >= 2"):
+        ctx.tensor(rand(8), ("d",)).linear_cross_entropy(W, [0])
+    with pytest.raises(fu.InvalidShape, match="weight of rank 2"):
+        X.linear_cross_entropy(ctx.tensor(rand(1, 6, 8), ("x", "class", "d")), [0] * 4)
     with pytest.raises(fu.DTypeError, match="weight of dtype f32"):
         X.linear_cross_entropy(ctx.tensor(rand(6, 8), ("class", "d"), dtype="f16"), [0] * 4)
     with pytest.raises(fu.IndexOutOfBounds, match="outside"):
@@ -166,3 +168,42 @@ def test_tagged_labels_must_follow_the_logits_axis_order(ctx):
     with pytest.raises(fu.TagError, match="positions"):
         X.linear_cross_entropy(ctx.tensor(rand(5, 4), ("class", "d")),
                                ctx.tensor(np.array([0, 1, 2]), ("r",), dtype="i64"))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_batch_axes(ctx, reduction):
+    """Every axis before the shared one is a row axis: [batch, seq, d] with labels tagged
+    (batch, seq) is the rows flattened in order — torch's values and gradients, and bitwise
+    the flat call's."""
+    B, S, D, K = 3, 5, 16, 29
+    x, w = rand(B, S, D), rand(K, D, s=0.5)
+    labels = RNG.integers(0, K, (B, S))
+    labels[1, 2] = -100
+    X, Wt = ctx.variable(x, ("batch", "seq", "d")), ctx.variable(w, ("class", "d"))
+    lab = ctx.tensor(labels, ("batch", "seq"), dtype="i64")
+    y = X.linear_cross_entropy(Wt, lab, ignore_index=-100, reduction=reduction)
+    g = np.linspace(0.5, 1.5, B * S, dtype=np.float32).reshape(B, S)
+    if reduction == "none":
+        assert y.tags == ("batch", "seq") and y.shape == (B, S)
+        y.backward(grad=ctx.tensor(g, ("batch", "seq")))
+    else:
+        y.backward()
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    ty = F.cross_entropy((tx @ tw.T).reshape(B * S, K), torch.tensor(labels).reshape(-1),
+                         ignore_index=-100, reduction=reduction)
+    if reduction == "none":
+        ty = ty.reshape(B, S)
+        ty.backward(torch.from_numpy(g))
+    else:
+        ty.backward()
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(X.grad().numpy(), tx.grad.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(Wt.grad().numpy(), tw.grad.numpy(), rtol=1e-4, atol=1e-5)
+    flat = run(ctx, x.reshape(B * S, D), w, labels.reshape(-1), ignore_index=-100,
+               reduction=reduction) if reduction == "mean" else None
+    if flat is not None:
+        assert_bitwise(y.numpy(), flat[0])
+        assert_bitwise(X.grad().numpy().reshape(B * S, D), flat[1])
+        assert_bitwise(Wt.grad().numpy(), flat[2])
+    with pytest.raises(fu.TagError, match="positions"):
+        X.linear_cross_entropy(Wt, ctx.tensor(labels.T.copy(), ("seq", "batch"), dtype="i64"))

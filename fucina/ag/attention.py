@@ -24,12 +24,17 @@ MASKS = ("causal", "bidirectional")
 def _check_kv(op, what, q, t, D):
     same_ctx(op, q, t)
     r = t._live(op)
-    if t.tags != KV_TAGS:
-        raise TagError(f"{op}: expected {what} tagged {KV_TAGS}, got {t.tags}")
+    lead = q.tags[:-3]
+    if t.tags != lead + KV_TAGS:
+        raise TagError(f"{op}: expected {what} tagged {lead + KV_TAGS} (q's leading axes, then "
+                       f"{KV_TAGS}), got {t.tags}")
+    if r.shape[:-3] != q._raw.shape[:-3]:
+        raise ShapeMismatch(f"{op}: expected {what} with q's leading axes {q._raw.shape[:-3]}, "
+                            f"got {r.shape[:-3]}")
     if r.dtype not in ("f32", "f16"):
         raise DTypeError(f"{op}: expected {what} of dtype f32 or f16, got {r.dtype}")
-    if r.shape[2] != D:
-        raise ShapeMismatch(f"{op}: expected {what} with head dim {D} (q's), got {r.shape[2]}")
+    if r.shape[-1] != D:
+        raise ShapeMismatch(f"{op}: expected {what} with head dim {D} (q's), got {r.shape[-1]}")
     return r
 
 
@@ -77,19 +82,21 @@ def _fold(ctx, dx, m, KVH):
 def attention(op, q, k, v, heads, out_tag, scale, mask, window, bias):
     ctx = q.ctx
     qr = q._live(op)
-    if q.tags != Q_TAGS:
-        raise TagError(f"{op}: expected q tagged {Q_TAGS}, got {q.tags}")
+    if q.tags[-3:] != Q_TAGS or len(set(q.tags)) != len(q.tags):
+        raise TagError(f"{op}: expected q tagged {Q_TAGS}, after any leading batch axes, got "
+                       f"{q.tags}")
     if qr.dtype != "f32":
         raise DTypeError(f"{op}: expected q of dtype f32, got {qr.dtype}")
     if not isinstance(out_tag, str) or out_tag == "seq":
         raise TagError(f"{op}: expected out_tag a string other than 'seq', got {out_tag!r}")
-    S, H, D = qr.shape
+    S, H, D = qr.shape[-3:]
     kr = _check_kv(op, "k", q, k, D)
     vr = _check_kv(op, "v", q, v, D)
     if kr.shape != vr.shape or kr.dtype != vr.dtype:
         raise ShapeMismatch(f"{op}: expected v of k's shape and dtype {kr.shape} {kr.dtype}, "
                             f"got {vr.shape} {vr.dtype}")
-    T, KVH, _ = kr.shape
+    T, KVH, _ = kr.shape[-3:]
+    lead = qr.shape[:-3]
     m, standard = _mapping(op, heads, H, KVH)
     scale = real(op, scale)
     if mask not in MASKS:
@@ -108,6 +115,9 @@ def attention(op, q, k, v, heads, out_tag, scale, mask, window, bias):
         br = bias._live(op)
         if causal:
             raise InvalidShape(f"{op}: bias needs mask='bidirectional', got mask={mask!r}")
+        if lead:
+            raise InvalidShape(f"{op}: a bias takes no batch axes; expected q tagged {Q_TAGS}, "
+                               f"got {q.tags}")
         if br.dtype != "f32":
             raise DTypeError(f"{op}: expected bias of dtype f32, got {br.dtype}")
         if br.shape != (S, T):
@@ -117,7 +127,7 @@ def attention(op, q, k, v, heads, out_tag, scale, mask, window, bias):
             raise UnsupportedGradient(f"{op}: an attention bias is inference-only; expected no "
                                       f"operand requiring grad (use fu.no_grad())")
         br = ew.materialize(ctx, br)
-    if S == 1 and causal and br is None and standard and not needs_graph(q, k, v):
+    if S == 1 and not lead and causal and br is None and standard and not needs_graph(q, k, v):
         out, _ = exa.decode(ctx, ew.materialize(ctx, qr), ew.materialize(ctx, kr),
                             ew.materialize(ctx, vr), KVH, int(window), scale)
         return finish_op(op, out, ("seq", out_tag), (q, k, v), None)
@@ -128,22 +138,66 @@ def attention(op, q, k, v, heads, out_tag, scale, mask, window, bias):
     qr = ew.materialize(ctx, qr)
     kr = ew.cast(ctx, kr, "f32") if half else ew.materialize(ctx, kr)
     vr = ew.cast(ctx, vr, "f32") if half else ew.materialize(ctx, vr)
-    ke, ve = (kr, vr) if standard else (_expand(ctx, kr, m), _expand(ctx, vr, m))
     geo = exa.Geometry(S, H, D, T, H if not standard else KVH, causal, int(window))
-    out, lse = exa.forward(ctx, qr, ke, ve, geo, scale, br)
-    saved = (ctx, qr, ke, ve, out, lse, geo, scale, br, None if standard else (m, KVH))
-    return finish_op(op, out, ("seq", out_tag), (q, k, v),
+    nb = 1
+    for n in lead:
+        nb *= n
+    out = ctx.empty(lead + (S, H * D), "f32")
+    lse = ctx.empty((nb, H, S) if lead else (H, S), "f32")
+    items = []      # per batch item: (q, k, v (expanded), out, lse) views
+    for i in range(nb):
+        qi, ki, vi = (_item(x, i, 3) for x in (qr, kr, vr))
+        oi, li = _item(out, i, 2), _item(lse, i, 2)
+        ke, ve = (ki, vi) if standard else (_expand(ctx, ki, m), _expand(ctx, vi, m))
+        exa.forward(ctx, qi, ke, ve, geo, scale, br, out=oi, lse=li)
+        items.append((qi, ke, ve, oi, li))
+    saved = (ctx, items, qr.shape, kr.shape, geo, scale, br, None if standard else (m, KVH))
+    return finish_op(op, out, q.tags[:-3] + ("seq", out_tag), (q, k, v),
                      lambda needs: functools.partial(_grads, saved, needs))
 
 
+def _item(x, i, r):
+    """Batch item i of a contiguous tensor: its last r axes, the leading ones flattened."""
+    if x.rank == r:
+        return x
+    tail = x.shape[-r:]
+    n = 1
+    for d in tail:
+        n *= d
+    return x.view(tail, x.strides[-r:], x.offset + i * n)
+
+
 def _grads(saved, needs, g):
-    ctx, qr, ke, ve, out, lse, geo, scale, br, expanded = saved
+    ctx, items, qshape, kshape, geo, scale, br, expanded = saved
     g = ew.materialize(ctx, g)
-    dq, dk, dv = exa.backward(ctx, qr, ke, ve, out, lse, g, geo, scale, needs[1] or needs[2], br)
-    if expanded is not None and dk is not None:
-        m, KVH = expanded
-        dk, dv = _fold(ctx, dk, m, KVH), _fold(ctx, dv, m, KVH)
+    kv = needs[1] or needs[2]
+    if len(items) == 1:
+        qi, ke, ve, oi, li = items[0]
+        dq, dk, dv = exa.backward(ctx, qi, ke, ve, oi, li, g, geo, scale, kv, br)
+        if expanded is not None and dk is not None:
+            dk, dv = _fold(ctx, dk, *expanded), _fold(ctx, dv, *expanded)
+        dq, dk, dv = (None if d is None else d.view(shape, _contiguous(shape))
+                      for d, shape in ((dq, qshape), (dk, kshape), (dv, kshape)))
+    else:           # a batch: each item's gradients written into its slice
+        dq = ctx.empty(qshape, "f32")
+        dk, dv = (ctx.empty(kshape, "f32"), ctx.empty(kshape, "f32")) if kv else (None, None)
+        for i, (qi, ke, ve, oi, li) in enumerate(items):
+            gi = g.view(oi.shape, oi.strides, g.offset + i * oi.numel)
+            parts = exa.backward(ctx, qi, ke, ve, oi, li, gi, geo, scale, kv, br)
+            if expanded is not None and parts[1] is not None:
+                parts = (parts[0], _fold(ctx, parts[1], *expanded), _fold(ctx, parts[2], *expanded))
+            for full, part in zip((dq, dk, dv), parts):
+                if full is not None:
+                    ew.run(ctx, "copy", "f32", part.shape, [part], out=_item(full, i, 3))
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)
+
+
+def _contiguous(shape):
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
 
 
 class AttentionMethods:

@@ -110,12 +110,13 @@ def linear_cross_entropy(x, weight, labels, ignore_index=None, reduction: str = 
     same_ctx(op, x, weight)
     xr, wr = x._live(op), weight._live(op)
     ctx = xr.ctx
-    for what, t, r in (("self", x, xr), ("weight", weight, wr)):
-        if r.rank != 2:
-            raise InvalidShape(f"{op}: expected {what} of rank 2, got shape {r.shape}")
+    for what, t, r, ok in (("self", x, xr, xr.rank >= 2), ("weight", weight, wr, wr.rank == 2)):
+        if not ok:
+            raise InvalidShape(f"{op}: expected {what} of rank {'>= 2' if t is x else '2'}, got "
+                               f"shape {r.shape}")
         if r.dtype != "f32":
             raise DTypeError(f"{op}: expected {what} of dtype f32, got {r.dtype}")
-    shared = x.tags[1]
+    shared = x.tags[-1]
     if weight.tags[1] != shared:
         raise TagError(f"{op}: expected weight tagged (class, {shared!r}) (the shared axis last "
                        f"on both), got {weight.tags}")
@@ -123,26 +124,28 @@ def linear_cross_entropy(x, weight, labels, ignore_index=None, reduction: str = 
     if class_tag in x.tags:
         raise TagError(f"{op}: the class axis {class_tag!r} of weight must not be an axis of "
                        f"self {x.tags}")
-    if xr.shape[1] != wr.shape[1]:
-        raise ShapeMismatch(f"{op}: expected weight with {xr.shape[1]} {shared!r} features "
+    F = xr.shape[-1]
+    if F != wr.shape[1]:
+        raise ShapeMismatch(f"{op}: expected weight with {F} {shared!r} features "
                             f"(self's), got {wr.shape[1]}")
     _reduction(op, reduction)
     eps = _smoothing(op, label_smoothing)
-    R, K = xr.shape[0], wr.shape[0]
-    lab, valid = _labels(ctx, op, labels, R, K, ignore_index, (x.tags[0],))
-    xr, wr = ew.materialize(ctx, xr), ew.materialize(ctx, wr)
+    lead, lead_shape = x.tags[:-1], xr.shape[:-1]   # rows: every axis but the shared one
+    R, K = int(np.prod(lead_shape)), wr.shape[0]
+    lab, valid = _labels(ctx, op, labels, R, K, ignore_index, lead)
+    xr, wr = ew.materialize(ctx, xr).view((R, F), (F, 1)), ew.materialize(ctx, wr)
     logits = exl.linear_logits(ctx, xr, wr)
     per_row, m, s = exl.ce_forward(ctx, logits, lab, eps)
-    out, tags, scale = _reduce(ctx, op, per_row, valid, reduction, (R,), (x.tags[0],))
+    out, tags, scale = _reduce(ctx, op, per_row, valid, reduction, lead_shape, lead)
     state = [logits]
-    saved = (ctx, state, xr, wr, lab, m, s, eps, scale)
+    saved = (ctx, state, xr, wr, lab, m, s, eps, scale, lead_shape + (F,))
     del logits
     return finish_op(op, out, tags, (x, weight),
                      lambda needs: functools.partial(_linear_ce_grads, saved, needs))
 
 
 def _linear_ce_grads(saved, needs, g):
-    ctx, state, xr, wr, lab, m, s, eps, scale = saved
+    ctx, state, xr, wr, lab, m, s, eps, scale, xshape = saved
     if not state:
         raise LinearCrossEntropyBackwardConsumed(
             "linear_cross_entropy: its backward already ran (the saved logits became their "
@@ -150,7 +153,8 @@ def _linear_ce_grads(saved, needs, g):
     G = state.pop()
     exl.ce_backward(ctx, G, lab, m, s, ew.materialize(ctx, g) if g.numel > 1 else g, eps, scale,
                     out=G)
-    return exl.linear_grads(ctx, G, xr, wr, needs[0], needs[1])
+    dx, dw = exl.linear_grads(ctx, G, xr, wr, needs[0], needs[1])
+    return (None if dx is None else dx.view(xshape, _contig(xshape))), dw
 
 
 def _ce_grads(saved, g):
@@ -315,8 +319,10 @@ class LossMethods:
 
     def linear_cross_entropy(self, weight, labels, *, ignore_index=None, reduction: str = "mean",
                              label_smoothing: float = 0.0):
-        """cross_entropy(self · weightᵀ) fused: self [row, shared], weight [class, shared];
-        gradients to both; the backward record is single-use (SPEC L-2)."""
+        """cross_entropy(self · weightᵀ) fused: self [..rows, shared] (every axis before the
+        shared one is a row axis: a batch of sequences is [batch, seq, shared] with labels
+        tagged (batch, seq)), weight [class, shared]; gradients to both; the backward record is
+        single-use (SPEC L-2)."""
         return self._result(*linear_cross_entropy(self, weight, labels, ignore_index, reduction,
                                                   label_smoothing))
 

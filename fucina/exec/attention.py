@@ -105,11 +105,13 @@ def _launch(ctx, op, R, K, cost, *args, bias=False):
 # forward
 
 def forward(ctx, q: RawTensor, k: RawTensor, v: RawTensor, geo: Geometry, scale: float,
-            bias: RawTensor | None = None) -> tuple[RawTensor, RawTensor]:
-    """(out [S, H·D], lse [H, S]) for contiguous f32 q, k, v (k, v with KVH heads)."""
+            bias: RawTensor | None = None, out: RawTensor | None = None,
+            lse: RawTensor | None = None) -> tuple[RawTensor, RawTensor]:
+    """(out [S, H·D], lse [H, S]) for contiguous f32 q, k, v (k, v with KVH heads); `out` and
+    `lse`, when given, are contiguous places of those shapes to write (a batch's slices)."""
     S, H, D = geo.S, geo.H, geo.D
-    out = ctx.empty((S, H * D), "f32")
-    lse = ctx.empty((H, S), "f32")
+    out = ctx.empty((S, H * D), "f32") if out is None else out
+    lse = ctx.empty((H, S), "f32") if lse is None else lse
     sbits = f32_bits(scale)
     for q0 in range(0, S, BQ):
         n = min(BQ, S - q0)
@@ -140,7 +142,7 @@ def decode(ctx, q: RawTensor, k: RawTensor, v: RawTensor, KVH: int, window: int,
     """One query position (a decode step) over every key of k and v (f32 or f16, contiguous
     [T, KVH, D]; the last `window` when window > 0): (out [1, H·D], lse [H, 1]) by one launch,
     a head per chunk. Its arguments are affine in T and no buffer depends on T, which lets a
-    decode step be recorded and replayed (fucina/llm/replay.py)."""
+    decode step be recorded and replayed (fucina/exec/plan.py)."""
     _, H, D = q.shape
     T = k.shape[0]
     out = ctx.empty((1, H * D), "f32")
