@@ -11,7 +11,8 @@ a step is forward + backward + optimizer step + zero_grad. Both sides' losses ar
 by step (first step: same weights, so equal to f32 rounding), and the step time is interleaved
 (Fucina step, PyTorch step, ...), medians. The GFLOP/s column-note counts 6·N·tokens for the
 matrices plus causal attention, and sets it against our own f32 GEMM rate measured in the same
-process (1024³ `matmul`).
+process (1024³ `matmul`). A second row per thread count trains on batches of 4 sequences
+([batch, seq] tokens through the batch axes of attention and of the fused linear + CE).
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from .common import row
 GROUP = "gpt train step"
 
 
-def _flops(cfg) -> float:
+def _flops(cfg, batch: int = 1) -> float:
     per_layer = 4 * cfg.d * cfg.attn + 3 * cfg.d * cfg.ffn
     dense = 6 * (cfg.layers * per_layer + cfg.vocab * cfg.d) * cfg.seq
     attn = cfg.layers * 3 * 2 * cfg.seq * cfg.seq * cfg.attn     # causal: half of 2 GEMMs, x3
-    return float(dense + attn)
+    return float(dense + attn) * batch
 
 
 def _gemm_rate(threads: int) -> float:
@@ -41,15 +42,16 @@ def _gemm_rate(threads: int) -> float:
     return 2 * 1024 ** 3 / t["mm"].median
 
 
-def _one(threads: int, quick: bool) -> list[dict]:
+def _one(threads: int, quick: bool, batch: int = 1) -> list[dict]:
     import fucina as fu
     from examples.gpt import Gpt, GptConfig, init_weights, torch_twin
     torch = c.torch()
     cfg = GptConfig()
-    steps = 3 if quick else 7
+    steps = 3 if quick or batch > 1 else 7
     weights = init_weights(cfg, seed=0)
     rng = np.random.default_rng(1)
-    batches = [rng.integers(0, cfg.vocab, cfg.seq + 1) for _ in range(steps + 1)]
+    shape = (cfg.seq + 1,) if batch == 1 else (batch, cfg.seq + 1)
+    batches = [rng.integers(0, cfg.vocab, shape) for _ in range(steps + 1)]
     ctx = fu.ExecContext(threads=threads)
     model = Gpt(ctx, cfg, weights)
     opt = fu.optim.AdamW(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.0)
@@ -58,7 +60,7 @@ def _one(threads: int, quick: bool) -> list[dict]:
 
     def fu_step(tokens):
         with ctx.exec_scope():
-            loss = model.loss(tokens[:-1], tokens[1:])
+            loss = model.loss(tokens[..., :-1], tokens[..., 1:])
             loss.backward()
             value = loss.item()
         opt.step()
@@ -73,7 +75,7 @@ def _one(threads: int, quick: bool) -> list[dict]:
 
         def to_step(tokens):
             t = torch.from_numpy(tokens)
-            loss = tloss(t[:-1], t[1:])
+            loss = tloss(t[..., :-1], t[..., 1:])
             loss.backward()
             topt.step()
             topt.zero_grad(set_to_none=True)
@@ -81,7 +83,7 @@ def _one(threads: int, quick: bool) -> list[dict]:
         tw = to_step
     fu_losses, to_losses, fu_s, to_s = c.alternating_steps(batches, fu_step, tw, threads)
     ctx.close()
-    rate = _flops(cfg) / fu_s
+    rate = _flops(cfg, batch) / fu_s
     peak = _gemm_rate(threads)
     dev = max(abs(a - b) / abs(b) for a, b in zip(fu_losses, to_losses)) if to_losses else None
     note = (f"{steps} timed steps after one warm-up, medians; {rate / 1e9:.0f} GFLOP/s for the step "
@@ -89,14 +91,16 @@ def _one(threads: int, quick: bool) -> list[dict]:
             f"process); losses {fu_losses[0]:.6f} → {fu_losses[-1]:.6f}"
             + (f", max relative deviation from torch over the steps {dev:.1e}" if dev is not None
                else ""))
-    return [row(GROUP, f"GPT 6 x d512, seq {cfg.seq}, vocab {cfg.vocab}: forward + backward + "
+    shape = f"seq {cfg.seq}" if batch == 1 else f"batch {batch} x seq {cfg.seq}"
+    return [row(GROUP, f"GPT 6 x d512, {shape}, vocab {cfg.vocab}: forward + backward + "
                 f"AdamW (torch: eager + fused AdamW)", threads, fu_s, to_s,
                 target="≥ 1.5× PyTorch" if to_s else "", met=(to_s / fu_s >= 1.5) if to_s else None,
                 note=note)]
 
 
 def rows(quick: bool = False) -> list[dict]:
-    return c.each_thread_count(quick, (GROUP, "gpt step", _one))
+    return c.each_thread_count(quick, (GROUP, "gpt step", _one),
+                               (GROUP, "gpt step, batch 4", lambda k, q: _one(k, q, 4)))
 
 
 if __name__ == "__main__":

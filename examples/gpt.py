@@ -93,9 +93,9 @@ class Gpt:
         return self._tables[n]
 
     def block(self, l: int, x):
-        """x [seq, embed] -> [seq, embed]."""
+        """x [seq, embed] (or [batch, seq, embed]) -> the same shape."""
         c = self.cfg
-        table = self.rope_table(x.shape[0])
+        table = self.rope_table(x.shape[x.tags.index("seq")])
         n = x.rms_norm("embed", c.eps)
         q = n.dot(self._w(l, "wq"), "embed").split_axis("q", ("head", "d"), (c.heads, c.head_dim))
         k = n.dot(self._w(l, "wk"), "embed").split_axis("k", ("kv_head", "d"),
@@ -112,14 +112,19 @@ class Gpt:
         return h + up.swiglu(gate).dot(self._w(l, "w_down"), "ffn")
 
     def hidden(self, tokens):
-        """The final normed hidden states [seq, embed] of `tokens` (len <= cfg.seq)."""
-        x = self.params["wte"].gather("vocab", tokens, "seq")
+        """The final normed hidden states [seq, embed] of `tokens` (len <= cfg.seq), or
+        [batch, seq, embed] of a [batch, seq] array of them."""
+        tokens = np.asarray(tokens)
+        x = self.params["wte"].gather("vocab", tokens.reshape(-1), "seq")
+        if tokens.ndim == 2:
+            x = x.reshape(("batch", "seq", "embed"), tokens.shape + (self.cfg.d,))
         for l in range(self.cfg.layers):
             x = self.block(l, x)
         return x.rms_norm("embed", self.cfg.eps)
 
     def loss(self, tokens, targets):
-        """Mean cross-entropy of next-token prediction (targets: one id per position)."""
+        """Mean cross-entropy of next-token prediction (targets: one id per position, shaped
+        as tokens)."""
         return self.hidden(tokens).linear_cross_entropy(self.params["head"], targets)
 
     def last_logits(self, tokens):
@@ -140,26 +145,28 @@ def torch_twin(torch, cfg: GptConfig, weights: dict, table_cos, table_sin, lr: f
     half = cfg.head_dim // 2
     scale = float(np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim)))
 
-    def rope(x):                       # x [seq, heads, hd], pairs (i, i + hd/2)
+    def rope(x):                       # x [..., seq, heads, hd], pairs (i, i + hd/2)
         a, b = x[..., :half], x[..., half:]
-        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        S = x.shape[-3]
+        c, s = cos[:S], sin[:S]
+        return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
 
-    def loss(tokens, targets):
-        S = len(tokens)
+    def loss(tokens, targets):         # [seq] or [batch, seq]
+        lead = tuple(tokens.shape)
         x = W["wte"][tokens]
         for l in range(cfg.layers):
             p = f"layers.{l}."
             n = F.rms_norm(x, (cfg.d,), eps=cfg.eps)
-            q = rope((n @ W[p + "wq"].T).view(S, cfg.heads, cfg.head_dim))
-            k = rope((n @ W[p + "wk"].T).view(S, cfg.heads, cfg.head_dim))
-            v = (n @ W[p + "wv"].T).view(S, cfg.heads, cfg.head_dim)
-            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                               v.transpose(0, 1), is_causal=True, scale=scale)
-            h = x + a.transpose(0, 1).reshape(S, cfg.attn) @ W[p + "wo"].T
+            q = rope((n @ W[p + "wq"].T).view(*lead, cfg.heads, cfg.head_dim))
+            k = rope((n @ W[p + "wk"].T).view(*lead, cfg.heads, cfg.head_dim))
+            v = (n @ W[p + "wv"].T).view(*lead, cfg.heads, cfg.head_dim)
+            a = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2),
+                                               v.transpose(-3, -2), is_causal=True, scale=scale)
+            h = x + a.transpose(-3, -2).reshape(*lead, cfg.attn) @ W[p + "wo"].T
             n2 = F.rms_norm(h, (cfg.d,), eps=cfg.eps)
             x = h + (F.silu(n2 @ W[p + "w_gate"].T) * (n2 @ W[p + "w_up"].T)) @ W[p + "w_down"].T
         n = F.rms_norm(x, (cfg.d,), eps=cfg.eps)
-        return F.cross_entropy(n @ W["head"].T, targets)
+        return F.cross_entropy((n @ W["head"].T).reshape(-1, cfg.vocab), targets.reshape(-1))
 
     opt = torch.optim.AdamW(list(W.values()), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=True)

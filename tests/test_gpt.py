@@ -66,3 +66,28 @@ def test_one_and_two_threads_give_the_same_bits():
     assert l1 == l2
     for name in w1:
         assert np.array_equal(g1[name], g2[name]) and np.array_equal(w1[name], w2[name]), name
+
+
+def test_a_batch_of_sequences_matches_torch():
+    """Tokens [batch, seq] run through the batch axes of attention and the fused linear + CE:
+    torch's loss and gradients on the same batch, and the loss of each sequence alone."""
+    ctx = fu.ExecContext(threads=1)
+    model = Gpt(ctx, CFG, init_weights(CFG, 0))
+    toks = np.stack([batch(s) for s in range(3)])
+    with ctx.exec_scope():
+        loss = model.loss(toks[:, :-1], toks[:, 1:])
+        loss.backward()
+        value = loss.item()
+    grads = {n: t.grad().numpy() for n, t in model.params.items()}
+    W, loss_fn, _ = torch_twin(torch, CFG, init_weights(CFG, 0), model.table.cos(),
+                               model.table.sin())
+    t = torch.from_numpy(toks)
+    want = loss_fn(t[:, :-1], t[:, 1:])
+    want.backward()
+    assert value == pytest.approx(want.item(), rel=2e-6)
+    for name, g in grads.items():
+        ref = W[name].grad.numpy()
+        assert np.abs(g - ref).max() <= 1e-4 * np.abs(ref).max() + 1e-9, name
+    with fu.no_grad(), ctx.exec_scope():
+        alone = [model.loss(b[:-1], b[1:]).item() for b in toks]
+    assert value == pytest.approx(np.mean(alone), rel=1e-6)
