@@ -107,6 +107,21 @@ def test_prefill_and_decode_logits_match_the_full_forward(models, arch, kv):
     np.testing.assert_allclose(np.stack(got), want, rtol=0, atol=tol * np.abs(want).max())
 
 
+def saved_adapters(ctx, path, tmp_path, targets):
+    """A finetune save directory of rank-4 adapters on `targets` with non-zero B (so they
+    change the output), and their trainer."""
+    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
+    tr = fu.llm.qwen3.Trainer(model, targets, fu.lora.LoraConfig(4, 8), 1)
+    for _, ad in tr.named_adapters():
+        fu.rng.normal_fill(3, ad.b, 0.0, 0.5)
+    d = tmp_path / "ckpt"
+    fu.io.begin_save(str(d))
+    tr.save_adapters(str(d / "adapters.safetensors"))
+    fu.io.save_trainer_state(str(d), fu.io.TrainerState(step=1, seed=1, lora_rank=4,
+                                                        lora_alpha=8.0))
+    return d, tr
+
+
 def decode_logits(lm, ids, tokens, kv, eager):
     """The logits of one-token decode steps feeding `tokens` after the prompt `ids`."""
     ctx = lm.ctx
@@ -168,16 +183,7 @@ def test_replay_with_adapters_on_the_fly(models, tmp_path):
     """LoRA adapters applied on the fly are part of the recorded step."""
     path = models[("qwen3", "q8_0")]
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
-    tr = fu.llm.qwen3.Trainer(model, fu.llm.qwen3.Targets(q=True, v=True, down=True),
-                              fu.lora.LoraConfig(4, 8), 1)
-    for _, ad in tr.named_adapters():
-        fu.rng.normal_fill(3, ad.b, 0.0, 0.5)
-    d = tmp_path / "ckpt"
-    fu.io.begin_save(str(d))
-    tr.save_adapters(str(d / "adapters.safetensors"))
-    fu.io.save_trainer_state(str(d), fu.io.TrainerState(step=1, seed=1, lora_rank=4,
-                                                        lora_alpha=8.0))
+    d, _ = saved_adapters(ctx, path, tmp_path, fu.llm.qwen3.Targets(q=True, v=True, down=True))
     lm, base = load(path, ctx, adapters=str(d)), load(path, ctx)
     ids, tokens = lm.encode(PROMPT), [5, 9, 11, 2, 7, 1, 3]
     eager, _ = decode_logits(lm, ids, tokens, "f32", True)
@@ -316,16 +322,7 @@ def test_stream_yields_the_generated_text(models):
 def test_adapters_apply_on_the_fly(models, tmp_path):
     path = models[("qwen3", "f32")]
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
-    tr = fu.llm.qwen3.Trainer(model, fu.llm.qwen3.Targets(q=True, v=True),
-                              fu.lora.LoraConfig(4, 8), 1)
-    for _, ad in tr.named_adapters():       # non-zero B: the adapters change the output
-        fu.rng.normal_fill(3, ad.b, 0.0, 0.5)
-    d = tmp_path / "ckpt"
-    fu.io.begin_save(str(d))
-    tr.save_adapters(str(d / "adapters.safetensors"))
-    fu.io.save_trainer_state(str(d), fu.io.TrainerState(step=1, seed=1, lora_rank=4,
-                                                        lora_alpha=8.0))
+    d, tr = saved_adapters(ctx, path, tmp_path, fu.llm.qwen3.Targets(q=True, v=True))
     lm = load(path, ctx, adapters=str(d))
     ids = lm.encode(PROMPT)
     with fu.no_grad(), ctx.exec_scope():

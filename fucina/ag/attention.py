@@ -11,6 +11,7 @@ from ..errors import (DTypeError, IndexOutOfBounds, InvalidDataLength, InvalidSh
                       TagError, UnsupportedGradient)
 from ..exec import attention as exa
 from ..exec import elementwise as ew
+from ..exec.raw import contiguous_strides
 from .checks import real, same_ctx
 from .engine import finish_op, needs_graph
 
@@ -176,7 +177,7 @@ def _grads(saved, needs, g):
         dq, dk, dv = exa.backward(ctx, qi, ke, ve, oi, li, g, geo, scale, kv, br)
         if expanded is not None and dk is not None:
             dk, dv = _fold(ctx, dk, *expanded), _fold(ctx, dv, *expanded)
-        dq, dk, dv = (None if d is None else d.view(shape, _contiguous(shape))
+        dq, dk, dv = (None if d is None else d.view(shape, contiguous_strides(shape))
                       for d, shape in ((dq, qshape), (dk, kshape), (dv, kshape)))
     else:           # a batch: each item's gradients written into its slice
         dq = ctx.empty(qshape, "f32")
@@ -191,13 +192,6 @@ def _grads(saved, needs, g):
                     ew.run(ctx, "copy", "f32", part.shape, [part], out=_item(full, i, 3))
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)
 
-
-def _contiguous(shape):
-    strides, n = [], 1
-    for d in reversed(shape):
-        strides.append(n)
-        n *= d
-    return tuple(reversed(strides))
 
 
 class AttentionMethods:
