@@ -490,3 +490,19 @@ def test_threads_resolving_kernels_at_once(tmp_path):
     for run in ("cold", "warm", "warm again", "no cache"):
         over = {"FUCINA_CACHE": "0"} if run == "no cache" else {}
         run_py(["-c", THREADS], make_env(tmp_path / "cache", **over))
+
+
+def test_a_killed_writer_leaves_the_shard_clean(tmp_path):
+    """Entries are written through fucina.files: an unnamed temp file (nothing to leave when a
+    writer dies), and a named temp that a dead writer left in a shard is swept by the next
+    write into it."""
+    from fucina import files
+    from fucina.codegen import cache
+    digest = bytes(range(32))
+    shard = tmp_path / digest.hex()[:2]
+    shard.mkdir()
+    dead = shard / f"x.o.tmp.999999999.{files._HOST_TAG}00000000"
+    dead.write_bytes(b"half an entry")
+    cache.write(tmp_path, digest, "k", b"\x7fELF object")
+    assert sorted(p.name for p in shard.iterdir()) == [f"{digest.hex()}.o"]
+    assert cache.read(tmp_path, digest) == ("k", b"\x7fELF object")

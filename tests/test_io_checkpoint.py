@@ -270,7 +270,7 @@ def test_random_sentinel_corruptions(tmp_path):
 
 _KILLED_SAVER = r"""
 import os, sys
-import fucina.io.checkpoint as c
+import fucina.files as c
 if sys.argv[2] == "named":
     c._open_unnamed = lambda parent: None   # the fallback path of systems without O_TMPFILE
 def writer(f):
@@ -316,7 +316,7 @@ def test_killed_saves_leave_no_litter(tmp_path, mode):
 
 def test_stale_temp_rules(tmp_path):
     """Only our pattern, only this host, only writers that cannot still be running."""
-    from fucina.io import checkpoint as c
+    from fucina import files as c
     host = c._HOST_TAG
     other = format(int(host, 16) ^ 1, "08x")
     live_old = os.getppid()  # alive, and started before the files below were written
@@ -346,7 +346,7 @@ def test_stale_temp_rules(tmp_path):
 
 def test_write_file_atomic_without_link(tmp_path, monkeypatch):
     """Where the kernel refuses to link an O_TMPFILE file, its bytes are copied to a named temp."""
-    from fucina.io import checkpoint as c
+    from fucina import files as c
     real_link = os.link
 
     def refuse(src, dst, **kw):

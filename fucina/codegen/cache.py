@@ -2,17 +2,20 @@
 
 An entry is one file `<digest>.o` holding a small header, the symbol name and the object code,
 with a SHA-256 of the body. Anything that does not verify — truncated, corrupted, written by
-another key — is a miss: the caller recompiles and rewrites it. Writes go to a temporary file
-in the same directory and are published with `os.replace`, so readers never see half a file
-and two processes compiling one key both succeed (the last rename wins, both bodies are equal).
+another key — is a miss: the caller recompiles and rewrites it. Writes go through
+fucina.files.write_file_atomic (an unnamed temp file, published with `os.replace`; a killed
+writer's leftovers are swept by the next write into the shard), so readers never see half a
+file and two processes compiling one key both succeed (the last rename wins, both bodies are
+equal).
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import struct
-import tempfile
 from pathlib import Path
+
+from ..files import write_file_atomic
 
 MAGIC = b"FUCINAK1"
 _HEADER = struct.Struct("<8s32s32sII")  # magic, key digest, body sha256, symbol len, object len
@@ -61,20 +64,7 @@ def write(root: Path, digest: bytes, symbol: str, obj: bytes) -> None:
     body = sym + obj
     blob = _HEADER.pack(MAGIC, digest, hashlib.sha256(body).digest(), len(sym), len(obj)) + body
     path = _entry_path(root, digest)
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a shared or prewarmed cache from other users
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-        tmp = None
+        write_file_atomic(path, lambda f: f.write(blob), durable=False)
     except OSError:
         pass
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
