@@ -234,8 +234,8 @@ def test_stream_yields_the_generated_text(models):
 def test_adapters_apply_on_the_fly(models, tmp_path):
     path = models[("qwen3", "f32")]
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
-    tr = fu.llm.qwen3.Trainer(model, fu.llm.qwen3.Targets(q=True, v=True),
+    model = fu.llm.decoder.Model.from_gguf(ctx, path)
+    tr = fu.llm.decoder.Trainer(model, fu.llm.decoder.Targets(q=True, v=True),
                               fu.lora.LoraConfig(4, 8), 1)
     for _, ad in tr.named_adapters():       # non-zero B: the adapters change the output
         fu.rng.normal_fill(3, ad.b, 0.0, 0.5)

@@ -55,7 +55,7 @@ from fucina import es
 from fucina.io import ParamRegistry, load_trainer_state
 from fucina.llm import (IGNORE_INDEX, EncodeOptions, Loader, LoaderState, SftText, Template,
                         Tokenizer, detect, encode_pair, encode_prompt)
-from fucina.llm.qwen3 import LINEARS, Model, Targets, Trainer
+from fucina.llm.decoder import LINEARS, Model, Targets, Trainer
 
 from .finetune import PAIRS, resolve_model
 

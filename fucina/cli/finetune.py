@@ -125,7 +125,7 @@ from fucina.llm import (IGNORE_INDEX, LM, ChatTemplate, Conversation, EncodeOpti
                         LoaderState, Pair, SftText, Tokenizer, chat_messages, chat_prompt_text,
                         encode_chat)
 from fucina.llm import peft
-from fucina.llm.qwen3 import Model, Targets, Trainer
+from fucina.llm.decoder import Model, Targets, Trainer
 from . import export as export_gguf
 from .plot import loss_curves_png
 

@@ -21,7 +21,7 @@ __all__ = ["main", "describe"]
 def describe(path: str) -> dict:
     """The facts `fucina info` prints, as a dict."""
     import fucina as fu
-    from fucina.llm.qwen3 import Config
+    from fucina.llm.decoder import Config
     with fu.ExecContext(threads=1) as ctx:
         f = fu.gguf.read(path, ctx)
         meta = f.metadata
