@@ -20,6 +20,7 @@ import torch
 import fucina as fu
 from fucina.cli import es_finetune as ef
 from fucina.cli import finetune as ft
+from fucina.cli import info
 from fucina.cli.tiny_model import build_tiny_model
 from fucina.llm import IGNORE_INDEX
 from fucina.llm.decoder import TARGETS, Config, Model, Ropes, Trainer
@@ -81,6 +82,10 @@ def test_configs_read_the_architecture_traits(tiny, ctx1):
     assert (g.rope_theta, g.rope_theta_local) == (1e6, 1e4)
     assert g.attn_scale == 1 / 16 and g.final_softcap == 0
     assert Config.from_gguf(fu.gguf.read(tiny["gemma3-softcap"], ctx1)).final_softcap == 3.0
+    d = info.describe(tiny["gemma3"])
+    assert d["sliding"] == {"window": 5, "layers": 6, "rope_theta": 1e4}
+    assert "sliding       window 5 in 6 of 7 layers, their RoPE base 10000" in info.render(d)
+    assert "sliding" not in info.describe(tiny["qwen2"])
     # the 27B rule: query_pre_attn_scalar = hidden / heads
     meta = dict(fu.gguf.read(tiny["gemma3"], ctx1).metadata)
     meta["gemma3.block_count"] = 62

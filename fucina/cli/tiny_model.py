@@ -1,5 +1,5 @@
-"""A tiny random Qwen3-shaped GGUF with a real byte-level BPE vocabulary, so the finetune demo
-(and its tests) run anywhere without downloading a model.
+"""A tiny random decoder GGUF (Qwen3-shaped by default; llama, qwen2, gemma3 on request) with a
+real byte-level BPE vocabulary, so the finetune demo (and its tests) run anywhere without downloading a model.
 
     path = build_tiny_model(tmp_dir / "tiny.gguf")                  # f32 weights
     path = build_tiny_model(tmp_dir / "tiny-q8.gguf", dtype="q8_0") # a quantized base

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a frozen Qwen3 model (SPEC T-21): adapters on chosen projections of every
+"""LoRA fine-tuning of a frozen decoder model (SPEC T-21): adapters on chosen projections of every
 layer, the training forward and its loss.
 
     trainer = Trainer(model, Targets(q=True, v=True), fu.lora.LoraConfig(8, 16), seed=42)
