@@ -47,7 +47,7 @@ def model_file() -> tuple[str, str]:
 
 def _fucina(path, targets, threads):
     import fucina as fu
-    from fucina.llm.qwen3 import Model, Trainer
+    from fucina.llm.decoder import Model, Trainer
     ctx = fu.ExecContext(threads=threads)
     model = Model.from_gguf(ctx, path, widen_frozen=True)
     tr = Trainer(model, targets, fu.lora.LoraConfig(8, 16), 42)

@@ -142,7 +142,7 @@ def _step_rows(threads: int, quick: bool) -> list[dict]:
 
 def _step_row(ctx, path, threads: int, quick: bool) -> dict:
     import fucina as fu
-    from fucina.llm import qwen3
+    from fucina.llm import decoder as qwen3
 
     torch = c.torch()
     vals = write_model(path)

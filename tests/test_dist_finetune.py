@@ -8,7 +8,7 @@ import pytest
 import fucina as fu
 from fucina.cli.tiny_model import build_tiny_model
 from fucina.llm import IGNORE_INDEX, EncodeOptions, Pair, Template, Tokenizer, encode_pair
-from fucina.llm.qwen3 import Model, Targets, Trainer
+from fucina.llm.decoder import Model, Targets, Trainer
 
 ray = pytest.importorskip("ray")
 dist = pytest.importorskip("fucina.dist")

@@ -71,8 +71,8 @@ def test_full_mode_on_a_dense_file_and_refused_on_a_quantized_one(tiny, tmp_path
 def test_adapters_load_where_finetune_adapters_load(tiny, tmp_path):
     ef.run(opts(tiny, tmp_path / "s"), out=quiet)
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, tiny)
-    tr = fu.llm.qwen3.Trainer(model, fu.llm.qwen3.Targets(), fu.lora.LoraConfig(8, 16), 0)
+    model = fu.llm.decoder.Model.from_gguf(ctx, tiny)
+    tr = fu.llm.decoder.Trainer(model, fu.llm.decoder.Targets(), fu.lora.LoraConfig(8, 16), 0)
     tr.load_adapters(str(tmp_path / "s" / "adapters.safetensors"))
 
 

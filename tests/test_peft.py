@@ -26,8 +26,8 @@ def model_file(request, tmp_path_factory):
 
 def trained(path, targets=ALL):
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.qwen3.Model.from_gguf(ctx, path)
-    tr = fu.llm.qwen3.Trainer(model, targets, fu.lora.LoraConfig(4, 8), 3)
+    model = fu.llm.decoder.Model.from_gguf(ctx, path)
+    tr = fu.llm.decoder.Trainer(model, targets, fu.lora.LoraConfig(4, 8), 3)
     for i, (_, ad) in enumerate(tr.named_adapters()):      # B != 0: the adapters matter
         fu.rng.normal_fill(100 + i, ad.b, 0.0, 0.3)
     return ctx, tr

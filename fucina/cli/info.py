@@ -21,7 +21,7 @@ __all__ = ["main", "describe"]
 def describe(path: str) -> dict:
     """The facts `fucina info` prints, as a dict."""
     import fucina as fu
-    from fucina.llm.qwen3 import Config
+    from fucina.llm.decoder import Config
     with fu.ExecContext(threads=1) as ctx:
         f = fu.gguf.read(path, ctx)
         meta = f.metadata
@@ -45,6 +45,10 @@ def describe(path: str) -> dict:
                        head_dim=c.head_dim, ffn=c.ffn, vocab=c.vocab,
                        context_length=c.context_length, rope_theta=c.rope_theta,
                        rms_eps=c.rms_eps)
+            if c.sliding_window:
+                sliding = sum(c.is_sliding(l) for l in range(c.num_layers))
+                out["sliding"] = {"window": c.sliding_window, "layers": sliding,
+                                  "rope_theta": c.rope_theta_local}
         except fu.FucinaError as e:
             out["runs_in_fucina"] = False
             out["why_not"] = f"{type(e).__name__}: {e}"
@@ -87,6 +91,10 @@ def render(d: dict) -> str:
                   f"vocab         {d['vocab']}",
                   f"context       {d['context_length']}, RoPE base {d['rope_theta']:g}, "
                   f"RMS eps {d['rms_eps']:g}"]
+        if d.get("sliding"):
+            w = d["sliding"]
+            lines.append(f"sliding       window {w['window']} in {w['layers']} of {d['layers']} "
+                         f"layers, their RoPE base {w['rope_theta']:g}")
     elif d.get("context_length"):
         lines.append(f"context       {d['context_length']}")
     lines.append("tensor types  " + ", ".join(

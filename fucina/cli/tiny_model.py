@@ -1,5 +1,5 @@
-"""A tiny random Qwen3-shaped GGUF with a real byte-level BPE vocabulary, so the finetune demo
-(and its tests) run anywhere without downloading a model.
+"""A tiny random decoder GGUF (Qwen3-shaped by default; llama, qwen2, gemma3 on request) with a
+real byte-level BPE vocabulary, so the finetune demo (and its tests) run anywhere without downloading a model.
 
     path = build_tiny_model(tmp_dir / "tiny.gguf")                  # f32 weights
     path = build_tiny_model(tmp_dir / "tiny-q8.gguf", dtype="q8_0") # a quantized base
@@ -28,6 +28,7 @@ from fucina.llm.tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED, 
 SPECIAL = (("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
            ("<think>", USER_DEFINED), ("</think>", USER_DEFINED))
 VOCAB = 512
+ARCHS = ("qwen3", "llama", "qwen2", "gemma3")
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
                  "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -86,12 +87,17 @@ def _merge(word: tuple, pair: tuple, merged: str) -> tuple:
 
 def build_tiny_model(path, *, seed: int = 0, dtype: str = "f32", layers: int = 2,
                      hidden: int = 256, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                     ffn: int = 512, vocab_size: int = VOCAB, arch: str = "qwen3") -> str:
+                     ffn: int = 512, vocab_size: int = VOCAB, arch: str = "qwen3",
+                     tied: bool = False, sliding_window: int = 4,
+                     final_softcap: float = 0.0) -> str:
     """Write the model to `path` (matrices stored as `dtype`: f32, f16, bf16 or a block type
-    such as q8_0; norm weights f32) and return the path. arch "qwen3" (QK-norm, half RoPE) or
-    "llama" (no QK-norm, interleaved RoPE pairs)."""
-    if arch not in ("qwen3", "llama"):
-        raise ValueError(f"build_tiny_model: expected arch 'qwen3' or 'llama', got {arch!r}")
+    such as q8_0; norm weights and biases f32) and return the path. arch "qwen3" (QK-norm, half
+    RoPE), "llama" (no QK-norm, interleaved RoPE pairs), "qwen2" (q/k/v biases) or "gemma3"
+    (post-norms, QK-norm, sliding window `sliding_window` on layers l with (l + 1) % 6 != 0,
+    `final_logit_softcapping` written when final_softcap > 0), with the metadata keys llama.cpp
+    writes for each. tied=True leaves out output.weight (the head reads token_embd)."""
+    if arch not in ARCHS:
+        raise ValueError(f"build_tiny_model: expected arch in {ARCHS}, got {arch!r}")
     path = os.fspath(path)
     tokens, merges = train_bpe(CORPUS, vocab_size)
     n_plain = len(tokens)
@@ -111,6 +117,10 @@ def build_tiny_model(path, *, seed: int = 0, dtype: str = "f32", layers: int = 2
                        ("attention.key_length", head_dim), ("attention.value_length", head_dim)):
         put(f"{arch}.{key}", value, "u32")
     put(f"{arch}.rope.freq_base", 1e6, "f32")
+    if arch == "gemma3":
+        put(f"{arch}.attention.sliding_window", sliding_window, "u32")
+        if final_softcap > 0:
+            put(f"{arch}.final_logit_softcapping", final_softcap, "f32")
     put(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, "f32")
     put("tokenizer.ggml.model", "gpt2", "str")
     put("tokenizer.ggml.pre", "qwen2", "str")
@@ -137,18 +147,25 @@ def build_tiny_model(path, *, seed: int = 0, dtype: str = "f32", layers: int = 2
 
         q, kv = heads * head_dim, kv_heads * head_dim
         add("token_embd.weight", (len(tokens), hidden), 1.0)
-        add("output.weight", (len(tokens), hidden), 0.3 * hidden ** -0.5 * 4)
+        if not tied:
+            add("output.weight", (len(tokens), hidden), 0.3 * hidden ** -0.5 * 4)
         norm("output_norm.weight", hidden)
         for i in range(layers):
             p = f"blk.{i}."
             norm(p + "attn_norm.weight", hidden)
             norm(p + "ffn_norm.weight", hidden)
-            if arch == "qwen3":
+            if arch in ("qwen3", "gemma3"):
                 norm(p + "attn_q_norm.weight", head_dim)
                 norm(p + "attn_k_norm.weight", head_dim)
+            if arch == "gemma3":
+                norm(p + "post_attention_norm.weight", hidden)
+                norm(p + "post_ffw_norm.weight", hidden)
             add(p + "attn_q.weight", (q, hidden), hidden ** -0.5)
             add(p + "attn_k.weight", (kv, hidden), hidden ** -0.5)
             add(p + "attn_v.weight", (kv, hidden), hidden ** -0.5)
+            if arch == "qwen2":
+                for stem, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                    add(p + stem + ".bias", (n,), 0.5, matrix=False)
             add(p + "attn_output.weight", (hidden, q), q ** -0.5)
             add(p + "ffn_gate.weight", (ffn, hidden), hidden ** -0.5)
             add(p + "ffn_up.weight", (ffn, hidden), hidden ** -0.5)

@@ -6,9 +6,11 @@ templates, SFT data (SPEC T-22) and the decoder models with their LoRA trainer.
     tok = fu.llm.Tokenizer.from_gguf(fu.gguf.read(path, ctx))
     template = fu.llm.detect(f.metadata.get("tokenizer.chat_template")) or fu.llm.Template.CHATML
     sample = fu.llm.encode_pair(tok, template, fu.llm.Pair(question, answer))
-    model = fu.llm.qwen3.Model.from_gguf(ctx, f)       # the Qwen3 model and its LoRA trainer
+    model = fu.llm.decoder.Model.from_gguf(ctx, f)     # the decoder model and its LoRA trainer
+
+`fu.llm.decoder` runs qwen3, llama, qwen2 and gemma3 files; `fu.llm.qwen3` is its earlier name.
 """
-from . import qwen3
+from . import decoder
 from .data import (IGNORE_INDEX, Conversation, EncodeOptions, Loader, LoaderState, Pair, Sample,
                    SftText, chat_messages, chat_prompt_text, encode_chat, encode_pair,
                    encode_prompt)
@@ -17,7 +19,9 @@ from .sampling import Settings as SamplingSettings
 from .template import ChatTemplate, Template, detect
 from .tokenizer import Tokenizer, UnsupportedTokenizer
 
-__all__ = ["qwen3", "Tokenizer", "UnsupportedTokenizer", "Template", "ChatTemplate", "detect", "IGNORE_INDEX", "Pair",
+qwen3 = decoder   # the name the package had while it ran qwen3 files only
+
+__all__ = ["decoder", "qwen3", "Tokenizer", "UnsupportedTokenizer", "Template", "ChatTemplate", "detect", "IGNORE_INDEX", "Pair",
            "SftText", "Conversation", "EncodeOptions", "encode_chat", "chat_messages",
            "chat_prompt_text", "Sample", "encode_prompt", "encode_pair", "Loader",
            "LoaderState", "load", "LM", "Generation", "KVCache", "SamplingSettings"]

@@ -44,8 +44,8 @@ from ..errors import AdaptersMismatch, ContextOverflow, FucinaError, InvalidSequ
 from ..exec import elementwise as ew
 from ..exec import plan
 from ..lora import LoraConfig
-from .qwen3.model import Model, check_tokens
-from .qwen3.train import Trainer, _Lora
+from .decoder.model import Model, check_tokens
+from .decoder.train import Trainer, _Lora
 from .sampling import Settings, pick
 from .template import ChatTemplate
 from .tokenizer import Tokenizer
@@ -72,7 +72,7 @@ class KVCache:
         self.v = [model.ctx.zeros(shape, tags=tags, dtype=dtype) for _ in range(c.num_layers)]
         self._n = 0
         # one RoPE table for every position the cache can hold; steps take views of its rows
-        self.table = model.ctx.prepare_rope_table(range(self.length), c.rope_dim, c.rope_theta)
+        self.table = model.build_rope_table(0, self.length)
 
     def __call__(self, l: int, k: Tensor, v: Tensor):
         n = k.shape[0]

@@ -11,7 +11,7 @@ mapping is a renaming, except for one thing: llama.cpp's converter permutes the 
 query and key projections of llama-architecture models (Hugging Face's half-split RoPE pairs
 become interleaved pairs), and transformers undoes that permutation when it loads the GGUF.
 Our q and k adapters live in the GGUF's row order, so their B rows are permuted on the way out
-and back on the way in. (qwen2/qwen3 files are not permuted.)
+and back on the way in. (qwen2, qwen3 and gemma3 files are not permuted.)
 """
 from __future__ import annotations
 

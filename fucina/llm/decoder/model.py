@@ -1,4 +1,5 @@
-"""The Qwen3 decoder over frozen GGUF weights: the forward of SPEC T-21 steps 1-3, op for op.
+"""The decoder over frozen GGUF weights (qwen3, llama, qwen2, gemma3): the forward of SPEC T-21
+steps 1-3, op for op, with the architecture's traits read from its Config.
 
     f = fu.gguf.read(path, ctx)
     model = Model.from_gguf(ctx, f)
@@ -20,7 +21,12 @@ deltas to the frozen projections (None = the plain model):
     attn = q_rope.grouped_attention(k_rope, v3, kv_head_for_head, "attn", 1/sqrt(f32(head_dim)))
     h = x + attn · Wo;  ffn_in = h.rms_norm_mul("embed", ffn_norm, eps)
     x' = h + (up.swiglu(gate)) · Wdown      (up·silu(gate))
-llama-arch files run the same layer without the QK-norm and with interleaved RoPE pairs.
+llama-arch files run the same layer without the QK-norm and with interleaved RoPE pairs; qwen2
+adds its q/k/v biases to the projections (before a LoRA delta is added); gemma3 scales the
+embedding rows by sqrt(hidden), normalizes the attention and FFN outputs again before adding
+them (post_attention_norm, post_ffw_norm), gates with GeGLU (up·gelu_tanh(gate)), attends over a
+window of keys in its sliding layers, rotates sliding and global layers with their own RoPE
+bases (`rope_table` then returns a Ropes pair) and soft-caps the logits when the file says so.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from ...errors import IndexOutOfBounds, InvalidSequenceLength, ShapeMismatch
 from ...exec.quant import BLOCKS
 from .config import Config, UnsupportedModel
 
-__all__ = ["Model", "Layer", "LINEARS"]
+__all__ = ["Model", "Layer", "LINEARS", "Ropes"]
 
 # projection -> (GGUF tensor, input tag, output tag); a weight is tagged (output, input)
 LINEARS = {"q": ("attn_q", "embed", "q"), "k": ("attn_k", "embed", "k"),
@@ -50,7 +56,8 @@ MATRIX_DTYPES = ("f32", "f16", "bf16", *BLOCKS)
 @dataclass
 class Layer:
     """One block's frozen weights: `linear[name]` for q, k, v, o, gate, up, down (q/k/v None
-    when the file fuses them into `qkv`, tagged ("qkv", "embed")), and the f32 norm weights."""
+    when the file fuses them into `qkv`, tagged ("qkv", "embed")), the f32 norm weights, and
+    `bias[name]` for q, k, v (f32, tagged by the projection's output) when the arch has them."""
 
     linear: dict
     qkv: Tensor | None
@@ -58,11 +65,23 @@ class Layer:
     ffn_norm: Tensor
     q_norm: Tensor | None
     k_norm: Tensor | None
+    bias: dict | None = None
+    post_attn_norm: Tensor | None = None
+    post_ffn_norm: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Ropes:
+    """The RoPE tables of one span of positions when sliding and global layers rotate with
+    different bases (gemma3): `glob` with rope_theta, `local` with rope_theta_local."""
+
+    glob: RopeTable
+    local: RopeTable
 
 
 def _retag(t: Tensor, tags: tuple) -> Tensor:
     """A caller-owned constant sharing t's storage under new tags (never scope-adopted)."""
-    return Tensor(t._live("qwen3.Model"), tags)
+    return Tensor(t._live("decoder.Model"), tags)
 
 
 class Model:
@@ -80,7 +99,7 @@ class Model:
 
     def __repr__(self):
         c = self.config
-        return (f"qwen3.Model({c.arch}, {c.num_layers} layers, hidden {c.hidden}, heads "
+        return (f"decoder.Model({c.arch}, {c.num_layers} layers, hidden {c.hidden}, heads "
                 f"{c.heads}/{c.kv_heads}x{c.head_dim}, ffn {c.ffn}, vocab {c.vocab})")
 
     # ---- loading ----
@@ -91,10 +110,10 @@ class Model:
         if isinstance(gguf_file, (str, bytes, os.PathLike)):
             gguf_file = gguf.read(gguf_file, ctx)
         if not isinstance(gguf_file, gguf.GGUFFile):
-            raise TypeError(f"qwen3.Model.from_gguf: expected a GGUF file (fu.gguf.read) or a path, "
+            raise TypeError(f"decoder.Model.from_gguf: expected a GGUF file (fu.gguf.read) or a path, "
                             f"got {type(gguf_file).__name__}")
         if not isinstance(widen_frozen, bool):
-            raise TypeError(f"qwen3.Model.from_gguf: expected widen_frozen as a bool, got "
+            raise TypeError(f"decoder.Model.from_gguf: expected widen_frozen as a bool, got "
                             f"{widen_frozen!r}")
         cfg = Config.from_gguf(gguf_file)
         load = _Loader(ctx, gguf_file, cfg, widen_frozen)
@@ -111,19 +130,29 @@ class Model:
     def rope_table(self, offset: int, length: int):
         """The RoPE table of positions offset .. offset + length - 1 (feature_dim = the rotary
         span, head_dim unless the file says otherwise; theta = rope_theta), built once per
-        (offset, length)."""
+        (offset, length); a Ropes pair when sliding layers have their own base."""
         key = (int(offset), int(length))
         table = self._tables.get(key)
         if table is None:
-            c = self.config
-            table = self._tables[key] = self.ctx.prepare_rope_table(
-                range(key[0], key[0] + key[1]), c.rope_dim, c.rope_theta)
+            table = self._tables[key] = self.build_rope_table(*key)
         return table
+
+    def build_rope_table(self, offset: int, length: int):
+        """rope_table's table, built anew (the caller keeps it: a KV cache's whole context)."""
+        c = self.config
+        positions = range(offset, offset + length)
+        glob = self.ctx.prepare_rope_table(positions, c.rope_dim, c.rope_theta)
+        if not c.two_ropes:
+            return glob
+        return Ropes(glob, self.ctx.prepare_rope_table(positions, c.rope_dim, c.rope_theta_local))
 
     def rope_rows(self, table, start: int, length: int):
         """Positions start .. start + length - 1 of a table built once for a whole context
         (a view of its rows, no new table: each row depends on its position only, so the rows
         equal a table built for those positions bit for bit)."""
+        if isinstance(table, Ropes):
+            return Ropes(self.rope_rows(table.glob, start, length),
+                         self.rope_rows(table.local, start, length))
         return RopeTable(table.ctx, table.positions[start:start + length], table.feature_dim,
                          table.theta_base, table.inverse, table._cos.narrow(0, start, length),
                          table._sin.narrow(0, start, length))
@@ -132,9 +161,12 @@ class Model:
         """Step 1: the token rows of the (frozen) embedding, f32 [seq, embed]."""
         e = self.token_embd
         if e.dtype in BLOCKS:
-            return e.get_rows("vocab", tokens, "seq")
-        x = e.gather("vocab", tokens, "seq")
-        return x if x.dtype == "f32" else x.to("f32")
+            x = e.get_rows("vocab", tokens, "seq")
+        else:
+            x = e.gather("vocab", tokens, "seq")
+            x = x if x.dtype == "f32" else x.to("f32")
+        s = self.config.embed_scale
+        return x if s == 1.0 else x.scale(s)
 
     def dot(self, x: Tensor, w: Tensor, tag: str) -> Tensor:
         """x · w for a projection: with `q8_matvec` set, a single row without a graph takes
@@ -153,15 +185,21 @@ class Model:
     def attention_inputs(self, layer: int, attn_in: Tensor, adapt=None) -> tuple:
         """q [seq, q], k [seq, k], v [seq, v] (step 2b-c)."""
         w = self.layers[layer]
-        if w.qkv is None:
-            return tuple(self.linear(layer, n, attn_in, adapt) for n in ("q", "k", "v"))
         c = self.config
-        fused = self.dot(attn_in, w.qkv, "embed")
-        out, start = [], 0
-        for name, n in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
-            base = fused.narrow("qkv", start, n).reshape(("seq", name), (fused.shape[0], n))
+        if w.qkv is None:
+            bases = [self.dot(attn_in, w.linear[n], "embed") for n in ("q", "k", "v")]
+        else:
+            fused = self.dot(attn_in, w.qkv, "embed")
+            bases, start = [], 0
+            for name, n in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
+                bases.append(fused.narrow("qkv", start, n).reshape(("seq", name),
+                                                                   (fused.shape[0], n)))
+                start += n
+        out = []
+        for name, base in zip(("q", "k", "v"), bases):
+            if w.bias is not None:
+                base = base.add(w.bias[name])
             out.append(base if adapt is None else adapt(name, attn_in, base))
-            start += n
         return tuple(out)
 
     def layer(self, l: int, x: Tensor, table, adapt=None, kv=None) -> Tensor:
@@ -175,6 +213,9 @@ class Model:
         q3 = q.split_axis("q", ("head", "d"), (c.heads, c.head_dim))
         k3 = k.split_axis("k", ("kv_head", "d"), (c.kv_heads, c.head_dim))
         v3 = v.split_axis("v", ("kv_head", "d"), (c.kv_heads, c.head_dim))
+        sliding = c.is_sliding(l)
+        if isinstance(table, Ropes):
+            table = table.local if sliding else table.glob
         if c.qk_norm:
             q_rope = q3.rms_norm_mul_rope_half_prepared("seq", "d", w.q_norm, eps, table)
             k_rope = k3.rms_norm_mul_rope_half_prepared("seq", "d", w.k_norm, eps, table)
@@ -183,22 +224,33 @@ class Model:
             k_rope = k3.rope("seq", "d", table, c.rope_mode)
         if kv is not None:
             k_rope, v3 = kv(l, k_rope, v3)
-        scale = float(np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
-        attn = q_rope.grouped_attention(k_rope, v3, c.kv_head_for_head, "attn", scale)
-        h = x.add(self.linear(l, "o", attn, adapt))
+        attn = q_rope.grouped_attention(k_rope, v3, c.kv_head_for_head, "attn", c.attn_scale,
+                                        window=c.sliding_window if sliding else 0)
+        out = self.linear(l, "o", attn, adapt)
+        if w.post_attn_norm is not None:
+            out = out.rms_norm_mul("embed", w.post_attn_norm, eps)
+        h = x.add(out)
         ffn_in = h.rms_norm_mul("embed", w.ffn_norm, eps)
         gate = self.linear(l, "gate", ffn_in, adapt)
         up = self.linear(l, "up", ffn_in, adapt)
-        return h.add(self.linear(l, "down", up.swiglu(gate), adapt))
+        out = self.linear(l, "down", up.gated(gate, c.activation), adapt)
+        if w.post_ffn_norm is not None:
+            out = out.rms_norm_mul("embed", w.post_ffn_norm, eps)
+        return h.add(out)
 
     def head(self, x: Tensor) -> Tensor:
-        """Step 3: logits [seq, vocab] = rms_norm_mul(x, output_norm) · W_outputᵀ."""
-        return self.dot(x.rms_norm_mul("embed", self.output_norm, self.config.rms_eps), self.output,
-                        "embed")
+        """Step 3: logits [seq, vocab] = rms_norm_mul(x, output_norm) · W_outputᵀ, then
+        cap·tanh(logits/cap) when the config soft-caps them."""
+        c = self.config
+        logits = self.dot(x.rms_norm_mul("embed", self.output_norm, c.rms_eps), self.output,
+                          "embed")
+        if c.final_softcap > 0:
+            logits = logits.scale(1.0 / c.final_softcap).tanh().scale(c.final_softcap)
+        return logits
 
     def forward_logits(self, tokens) -> Tensor:
         """The plain model (no adapters): logits [seq, vocab] for positions 0 .. len - 1."""
-        tokens = check_tokens("qwen3.Model.forward_logits", tokens, self.config.vocab)
+        tokens = check_tokens("decoder.Model.forward_logits", tokens, self.config.vocab)
         table = self.rope_table(0, len(tokens))
         x = self.embed(tokens)
         for l in range(self.config.num_layers):
@@ -233,19 +285,19 @@ class _Loader:
     def get(self, name: str):
         t = self.f.tensors.get(name)
         if t is None:
-            raise UnsupportedModel(f"qwen3.Model.from_gguf: {self.f.path}: missing tensor {name!r}")
+            raise UnsupportedModel(f"decoder.Model.from_gguf: {self.f.path}: missing tensor {name!r}")
         if not isinstance(t, Tensor):
-            raise UnsupportedModel(f"qwen3.Model.from_gguf: tensor {name!r} has ggml type "
+            raise UnsupportedModel(f"decoder.Model.from_gguf: tensor {name!r} has ggml type "
                                    f"{t.type_name}, which fucina cannot compute with")
         return t
 
     def matrix(self, name: str, tags: tuple, shape: tuple) -> Tensor:
         t = self.get(name)
         if t.shape != shape:
-            raise ShapeMismatch(f"qwen3.Model.from_gguf: tensor {name!r}: expected shape "
+            raise ShapeMismatch(f"decoder.Model.from_gguf: tensor {name!r}: expected shape "
                                 f"{list(shape)} {tags}, got {list(t.shape)}")
         if t.dtype not in MATRIX_DTYPES:
-            raise UnsupportedModel(f"qwen3.Model.from_gguf: tensor {name!r}: expected one of "
+            raise UnsupportedModel(f"decoder.Model.from_gguf: tensor {name!r}: expected one of "
                                    f"{MATRIX_DTYPES}, got {t.dtype}")
         if self.widen and t.dtype != "f32":
             t = t.to("f32")
@@ -254,11 +306,11 @@ class _Loader:
     def vector(self, name: str, n: int, tag: str = "embed") -> Tensor:
         t = self.get(name)
         if t.shape != (n,):
-            raise ShapeMismatch(f"qwen3.Model.from_gguf: tensor {name!r}: expected shape [{n}], "
+            raise ShapeMismatch(f"decoder.Model.from_gguf: tensor {name!r}: expected shape [{n}], "
                                 f"got {list(t.shape)}")
         if t.dtype != "f32":
             if t.dtype not in ("f16", "bf16"):
-                raise UnsupportedModel(f"qwen3.Model.from_gguf: tensor {name!r}: expected an "
+                raise UnsupportedModel(f"decoder.Model.from_gguf: tensor {name!r}: expected an "
                                        f"f32/f16/bf16 norm weight, got {t.dtype}")
             t = t.to("f32")
         return _retag(t, (tag,))
@@ -278,5 +330,18 @@ class _Loader:
                               (c.q_dim + 2 * c.kv_dim, c.hidden))
         qn = self.vector(p + "attn_q_norm.weight", c.head_dim, "d") if c.qk_norm else None
         kn = self.vector(p + "attn_k_norm.weight", c.head_dim, "d") if c.qk_norm else None
+        bias = None
+        if c.qkv_bias:
+            if fused:
+                raise UnsupportedModel(f"decoder.Model.from_gguf: {p}attn_qkv.weight: a fused "
+                                       f"q/k/v weight with biases is not supported; expected "
+                                       f"separate attn_q/attn_k/attn_v")
+            bias = {n: self.vector(p + LINEARS[n][0] + ".bias", dims[n], n)
+                    for n in ("q", "k", "v")}
+        post_attn = post_ffn = None
+        if c.post_norms:
+            post_attn = self.vector(p + "post_attention_norm.weight", c.hidden)
+            post_ffn = self.vector(p + "post_ffw_norm.weight", c.hidden)
         return Layer(linear, qkv, self.vector(p + "attn_norm.weight", c.hidden),
-                     self.vector(p + "ffn_norm.weight", c.hidden), qn, kn)
+                     self.vector(p + "ffn_norm.weight", c.hidden), qn, kn, bias, post_attn,
+                     post_ffn)

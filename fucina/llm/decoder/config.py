@@ -1,4 +1,4 @@
-"""The hyperparameters of a Qwen3 model, read from GGUF metadata (SPEC T-21).
+"""The hyperparameters of one decoder-family model, read from GGUF metadata (SPEC T-21).
 
     cfg = Config.from_gguf(fu.gguf.read(path, ctx))     # or the metadata mapping + vocab_size=
 
@@ -8,8 +8,20 @@ embedding_length / head_count, a missing head_count_kv to head_count, a missing 
 vocabulary size is the row count of `token_embd.weight` (the metadata rarely states it).
 Mixture-of-experts files (arch `qwen3moe`, or any `<arch>.expert_count`) raise MoeUnsupported.
 
-The same dense decoder also describes `llama`-arch files (SmolLM2, Llama): no QK-norm and
-interleaved RoPE pairs, because llama.cpp's converter permutes their Q/K rows for that pairing.
+What differs between the architectures is data (ARCHITECTURES), not code:
+  qwen3   QK-norm, half ("neox") RoPE pairs.
+  llama   no QK-norm, interleaved RoPE pairs (llama.cpp's converter permutes Q/K rows for it).
+  qwen2   no QK-norm, half RoPE, biases on the q, k and v projections.
+  gemma3  QK-norm, half RoPE, embeddings times f32(sqrt(hidden)), norms before and after both
+          attention and FFN, GeGLU (tanh GELU), sliding-window layers (window
+          `attention.sliding_window`) interleaved with global ones: layer l is global when
+          (l + 1) % 6 == 0 (llama.cpp's and transformers' rule); sliding layers rotate with base
+          `rope.freq_base_swa` (10000 when absent), global ones with `rope.freq_base`; attention
+          scale 1/sqrt(query_pre_attn_scalar), which llama.cpp takes as head_dim except for the
+          62-layer 27B (hidden / heads); logits soft-capped by `final_logit_softcapping` when set.
+          Gemma's RMSNorm multiplies by (1 + w): llama.cpp's converter already stores 1 + w in the
+          file (transformers' GGUF loader subtracts the 1 again), so the stored weight is used as
+          every other architecture uses its norm weight.
 """
 from __future__ import annotations
 
@@ -17,18 +29,28 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...errors import MoeUnsupported, UnsupportedModel
 
 __all__ = ["Config", "UnsupportedModel", "ARCHITECTURES"]
 
-# architecture -> (QK-norm before RoPE, RoPE pair layout)
-ARCHITECTURES = {"qwen3": (True, "half"), "llama": (False, "interleaved")}
+# architecture -> the traits the file does not state (Config fields of the same names)
+ARCHITECTURES = {
+    "qwen3": dict(qk_norm=True, rope_mode="half"),
+    "llama": dict(qk_norm=False, rope_mode="interleaved"),
+    "qwen2": dict(qk_norm=False, rope_mode="half", qkv_bias=True),
+    "gemma3": dict(qk_norm=True, rope_mode="half", post_norms=True, activation="geglu",
+                   swa_pattern=6),
+}
 _MOE = ("qwen3moe", "qwen2moe", "qwen3vlmoe", "mixtral", "deepseek2", "llama4")
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
 
 
 @dataclass(frozen=True)
 class Config:
-    """One dense decoder: sizes, norm eps, RoPE base and the two architecture switches."""
+    """One dense decoder: sizes, norm eps, RoPE bases and the architecture's traits."""
 
     arch: str
     num_layers: int
@@ -44,10 +66,35 @@ class Config:
     qk_norm: bool = True
     rope_mode: str = "half"
     rope_dim: int = 0     # rotary span (rope.dimension_count); 0 = head_dim
+    qkv_bias: bool = False        # q, k, v projections add a bias (qwen2)
+    post_norms: bool = False      # RMSNorm after attention and after the FFN too (gemma3)
+    activation: str = "swiglu"    # the FFN gate: "swiglu" (up·silu(gate)) or "geglu" (tanh GELU)
+    embed_scale: float = 1.0      # the embedding rows are multiplied by this (gemma3: sqrt(hidden))
+    sliding_window: int = 0       # keys a sliding layer sees (0: every layer is global)
+    swa_pattern: int = 0          # layer l is global when (l + 1) % swa_pattern == 0
+    rope_theta_local: float = 0.0  # RoPE base of sliding layers (0: rope_theta)
+    attn_scale: float = 0.0       # softmax scale (0: 1/sqrt(f32 head_dim))
+    final_softcap: float = 0.0    # logits -> cap·tanh(logits/cap) when > 0
 
     def __post_init__(self):
         if self.rope_dim == 0:
             object.__setattr__(self, "rope_dim", self.head_dim)
+        if self.rope_theta_local == 0:
+            object.__setattr__(self, "rope_theta_local", self.rope_theta)
+        if self.attn_scale == 0:
+            object.__setattr__(self, "attn_scale",
+                               float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim))))
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends over a sliding window (with the local RoPE base)."""
+        return (self.sliding_window > 0 and self.swa_pattern > 0
+                and (layer + 1) % self.swa_pattern != 0)
+
+    @property
+    def two_ropes(self) -> bool:
+        """Sliding and global layers rotate with different bases (two RoPE tables)."""
+        return (self.rope_theta_local != self.rope_theta
+                and any(self.is_sliding(l) for l in range(self.num_layers)))
 
     @property
     def q_dim(self) -> int:
@@ -73,7 +120,7 @@ class Config:
     def from_gguf(cls, gguf_file, vocab_size: int | None = None) -> "Config":
         """From a `fu.gguf.read(...)` result (vocab = rows of token_embd.weight) or from its
         metadata mapping (vocab = vocab_size, else `<arch>.vocab_size`, else the token list)."""
-        where = "qwen3.Config.from_gguf"
+        where = "decoder.Config.from_gguf"
         meta = gguf_file if isinstance(gguf_file, Mapping) else getattr(gguf_file, "metadata", None)
         if not isinstance(meta, Mapping):
             raise TypeError(f"{where}: expected a GGUF file (fu.gguf.read) or its metadata "
@@ -118,13 +165,22 @@ class Config:
             raise UnsupportedModel(f"{where}: {arch}.rope.scaling.type {scaling!r} is not "
                                    f"supported; expected none (plain RoPE)")
         vocab = _vocab(where, gguf_file, meta, arch, vocab_size)
-        qk_norm, rope_mode = ARCHITECTURES[arch]
-        return cls(arch=arch, num_layers=get("block_count", int), hidden=hidden,
+        traits = dict(ARCHITECTURES[arch])
+        num_layers = get("block_count", int)
+        if arch == "gemma3":
+            traits.update(
+                embed_scale=float(np.sqrt(np.float32(hidden), dtype=np.float32)),
+                sliding_window=get("attention.sliding_window", int),
+                rope_theta_local=get("rope.freq_base_swa", float, GEMMA3_LOCAL_ROPE_BASE),
+                attn_scale=float(np.float32(1.0) / np.sqrt(np.float32(
+                    hidden // heads if num_layers == GEMMA3_27B_LAYERS else head_dim))))
+            if f"{arch}.final_logit_softcapping" in meta:
+                traits["final_softcap"] = get("final_logit_softcapping", float)
+        return cls(arch=arch, num_layers=num_layers, hidden=hidden,
                    ffn=get("feed_forward_length", int), heads=heads, kv_heads=kv_heads,
                    head_dim=head_dim, vocab=vocab, rope_theta=get("rope.freq_base", float, 10000.0),
                    rms_eps=get("attention.layer_norm_rms_epsilon", float),
-                   context_length=get("context_length", int), qk_norm=qk_norm,
-                   rope_mode=rope_mode, rope_dim=rope_dim)
+                   context_length=get("context_length", int), rope_dim=rope_dim, **traits)
 
 
 def _vocab(where, gguf_file, meta, arch, vocab_size) -> int:

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a frozen Qwen3 model (SPEC T-21): adapters on chosen projections of every
+"""LoRA fine-tuning of a frozen decoder model (SPEC T-21): adapters on chosen projections of every
 layer, the training forward and its loss.
 
     trainer = Trainer(model, Targets(q=True, v=True), fu.lora.LoraConfig(8, 16), seed=42)
@@ -59,11 +59,11 @@ class Targets:
         if isinstance(value, cls):
             return value
         if isinstance(value, str) or not hasattr(value, "__iter__"):
-            raise TypeError(f"qwen3.Targets: expected a Targets or target names, got {value!r}")
+            raise TypeError(f"decoder.Targets: expected a Targets or target names, got {value!r}")
         names = list(value)
         for n in names:
             if n not in TARGETS:
-                raise ValueError(f"qwen3.Targets: unknown target {n!r}; expected names from {TARGETS}")
+                raise ValueError(f"decoder.Targets: unknown target {n!r}; expected names from {TARGETS}")
         return cls(**{n: n in names for n in TARGETS})
 
     def names(self) -> tuple:
@@ -123,9 +123,9 @@ class Trainer:
 
     def __init__(self, model: Model, targets, lora_config: LoraConfig, seed: int,
                  checkpoint_layers: bool = False):
-        op = "qwen3.Trainer"
+        op = "decoder.Trainer"
         if not isinstance(model, Model):
-            raise TypeError(f"{op}: expected a qwen3.Model, got {type(model).__name__}")
+            raise TypeError(f"{op}: expected a decoder.Model, got {type(model).__name__}")
         if not isinstance(lora_config, LoraConfig):
             raise TypeError(f"{op}: expected a lora.LoraConfig, got {type(lora_config).__name__}")
         if not isinstance(checkpoint_layers, bool):
@@ -150,7 +150,7 @@ class Trainer:
             self.adapters.append(layer)
 
     def __repr__(self):
-        return (f"qwen3.Trainer({self.model!r}, targets={self.targets.names()}, "
+        return (f"decoder.Trainer({self.model!r}, targets={self.targets.names()}, "
                 f"rank={self.lora_config.rank}, alpha={self.lora_config.alpha}, "
                 f"step_counter={self.step_counter})")
 
@@ -166,7 +166,7 @@ class Trainer:
     def forward_logits(self, tokens, step: int | None) -> Tensor:
         """Logits [seq, vocab] ("seq", "vocab") with every adapter applied; step None = eval (no
         dropout). Under gradients it needs an open exec scope (ExecScopeRequired)."""
-        op = "qwen3.Trainer.forward_logits"
+        op = "decoder.Trainer.forward_logits"
         self._need_scope(op)
         tokens = check_tokens(op, tokens, self.model.config.vocab)
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
@@ -208,7 +208,7 @@ class Trainer:
         IGNORE_INDEX = not supervised) with `reduction` ("mean" over supervised positions: 0
         when there are none), times loss_scale when it is not 1. Needs an open exec scope
         (ExecScopeRequired); the result is a scope borrow. step_counter advances by one."""
-        op = "qwen3.Trainer.loss_ext"
+        op = "decoder.Trainer.loss_ext"
         if not self.model.ctx.scopes:
             raise ExecScopeRequired(f"{op}: expected an open exec scope (`with ctx.exec_scope():`); "
                                     f"the loss and its graph are scope borrows")
@@ -232,7 +232,7 @@ class Trainer:
     def eval_last_logits(self, tokens) -> Tensor:
         """The logits of the last position, [1, vocab] ("seq", "vocab"), caller-owned: no
         dropout, no graph, step_counter unchanged (for greedy generation)."""
-        op = "qwen3.Trainer.eval_last_logits"
+        op = "decoder.Trainer.eval_last_logits"
         tokens = check_tokens(op, tokens, self.model.config.vocab)
         ctx = self.model.ctx
         with no_grad(), ctx.exec_scope():
