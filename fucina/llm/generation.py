@@ -307,11 +307,12 @@ class LM:
 
 
 class Decoder:
-    """One-token decode steps over a KVCache. A step is ~300 small launches, so after `WARM`
+    """One-token decode steps over a KVCache. A step is ~500 small launches, so after `WARM`
     eager steps three are recorded (fucina/exec/plan.py), and once their plan replays the
     third step's logits bit for bit, every later step is that plan run from C at the cache's
     position: the embedded token is copied into a fixed input row, the plan writes the cache
-    row and the logits. A region that cannot be fitted stays eager (`replaying` False)."""
+    row and the logits (the same buffer every step: read them before the next step). A region
+    that cannot be fitted stays eager (`replaying` False)."""
 
     WARM = 1
 
