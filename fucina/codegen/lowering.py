@@ -1,0 +1,241 @@
+"""Lowering of kernel templates (fucina/kernel_templates/) to IR values.
+
+A template is a lane formula written once: its inputs' names and a body in a small expression
+language (a subset of Python's expression syntax, parsed with `ast` and checked when the table
+is lowered, never evaluated by Python):
+
+    name = expr          a local (a name may be rebound; later lines see the new value)
+    expr                 the last line: the result (or `outputs=` names the results)
+
+    x + y  x - y  x * y  x / y  -x       IEEE float32 fadd fsub fmul fdiv fneg, as written:
+                                         left to right, no reassociation, no contraction
+    x < y  x <= y  x > y  x >= y  x == y ordered compares (false on NaN); x != y unordered
+    c & d  c | d  ~c                     on compare results
+    a if c else b                        select (both sides computed: branch-free)
+    f(a, ...)                            a primitive (PRIMITIVES below; a kernel may share a
+                                         primitive's name and call it) or another template
+                                         of the same table, inlined
+    2.5  NAME                            a constant: a literal, or a name from the table's
+                                         CONSTANTS; constant subexpressions fold in float64
+                                         and round to float32 once (so 1 / 30 is fl32(1/30))
+
+Inputs, locals, constants and callees are resolved when a template is lowered, so a misspelt
+name fails at import with the template's name. Values are scalar or vector IR values alike: a
+template is lowered once per lane shape, and the scalar tail runs the same operations as a
+vector lane, so both give the same bits. A literal takes the type of the template's first
+input. The emitted operations are exactly the ones written, so moving a formula from Python
+builder calls into a template changes no output bit (tools/kernel_outputs.py proves it).
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import textwrap
+
+from . import irutil as u
+from .emit import nan_max, nan_min, sqrt
+
+
+def _vmath():
+    """vmath, imported when a kernel is built (not when keys are made)."""
+    from . import vmath
+
+    return vmath
+
+
+def _sig():
+    from . import vsigmoid
+
+    return vsigmoid
+
+
+def _f16_round(b, x):
+    """x rounded to f16 and widened back (fptrunc, fpext)."""
+    from llvmlite import ir
+
+    half = u.vec(u.F16, x.type.count if isinstance(x.type, ir.VectorType) else None)
+    return b.fpext(b.fptrunc(x, half), x.type)
+
+
+def _intrinsic(name):
+    return lambda b, x: u.intrinsic(b, name, x.type, [x])
+
+
+# name -> emit(builder, *values): the operations a template may call besides other templates
+PRIMITIVES = {
+    "exp": lambda b, x: _vmath().exp(b, x),
+    "expm1": lambda b, x: _vmath().expm1(b, x),
+    "log": lambda b, x: _vmath().log(b, x),
+    "log1p": lambda b, x: _vmath().log1p(b, x),
+    "tanh": lambda b, x: _vmath().tanh(b, x),
+    "erf": lambda b, x: _vmath().erf(b, x),
+    "sin": lambda b, x: _vmath().sin(b, x),
+    "cos": lambda b, x: _vmath().cos(b, x),
+    "abs": lambda b, x: _vmath().fabs(b, x),           # llvm.fabs
+    "fma": lambda b, a, x, c: _vmath().fma(b, a, x, c),  # a·x + c, one rounding
+    "roundeven": lambda b, x: _vmath().roundeven(b, x),
+    "sqrt": sqrt,                                      # llvm.sqrt (exact)
+    "floor": _intrinsic("llvm.floor"),
+    "ceil": _intrinsic("llvm.ceil"),
+    "maximum": nan_max,                                # NaN-propagating
+    "minimum": nan_min,
+    "f16_round": _f16_round,
+    # the compensated sigmoid family (codegen/vsigmoid.py)
+    "sigmoid": lambda b, x: _sig().sigmoid(b, x),
+    "silu": lambda b, x: _sig().silu(b, x),
+    "mul_sigmoid": lambda b, m, v, outer=None: _sig().mul_sigmoid(b, m, v, outer),
+}
+
+_CMP = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
+_BIN = {ast.Add: "fadd", ast.Sub: "fsub", ast.Mult: "fmul", ast.Div: "fdiv",
+        ast.BitAnd: "and_", ast.BitOr: "or_"}
+_FOLD = {ast.Add: lambda a, c: a + c, ast.Sub: lambda a, c: a - c,
+         ast.Mult: lambda a, c: a * c, ast.Div: lambda a, c: a / c}
+
+
+class TemplateError(ValueError):
+    """A template that cannot be lowered: a syntax outside the language, an unknown name, a
+    call with the wrong number of arguments. Raised at import, naming the template."""
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(body: str):
+    """(statements, result expression | None) of a body."""
+    tree = ast.parse(textwrap.dedent(body).strip(), mode="exec")
+    stmts = list(tree.body)
+    result = None
+    if stmts and isinstance(stmts[-1], ast.Expr):
+        result = stmts.pop().value
+    for s in stmts:
+        if not (isinstance(s, ast.Assign) and len(s.targets) == 1
+                and isinstance(s.targets[0], ast.Name)):
+            raise TemplateError(f"expected `name = expr` lines, got {ast.unparse(s)!r}")
+    return tuple((s.targets[0].id, s.value) for s in stmts), result
+
+
+class _Lowering:
+    """One table's lowering: its templates (callable from each other) and constants."""
+
+    def __init__(self, table: dict, constants: dict):
+        self.table, self.constants = table, constants
+
+    def check(self, name: str) -> None:
+        """Resolve every name and callee of `name` without emitting anything."""
+        t = self.table[name]
+        try:
+            stmts, result = _parse(t.body)
+        except SyntaxError as e:
+            raise TemplateError(f"template {name}: {e.msg} in {t.body.strip()!r}") from None
+        except TemplateError as e:
+            raise TemplateError(f"template {name}: {e}") from None
+        if result is None and not t.outputs:
+            raise TemplateError(f"template {name}: expected a result line or outputs")
+        scope = set(t.names)
+        for target, expr in stmts:
+            self._check_expr(name, expr, scope)
+            scope.add(target)
+        if result is not None:
+            self._check_expr(name, result, scope)
+        missing = [o for o in t.outputs if o not in scope]
+        if missing:
+            raise TemplateError(f"template {name}: outputs {missing} are not assigned")
+
+    def _check_expr(self, name, node, scope):
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call):
+                fn = n.func.id if isinstance(n.func, ast.Name) else None
+                if fn not in PRIMITIVES and fn not in self.table:
+                    raise TemplateError(f"template {name}: unknown function {ast.unparse(n.func)!r}")
+                if fn not in PRIMITIVES and len(n.args) != self.table[fn].arity:
+                    raise TemplateError(f"template {name}: {fn} expects {self.table[fn].arity} "
+                                        f"arguments, got {len(n.args)}")
+            elif isinstance(n, ast.Name) and not isinstance(getattr(n, "ctx", None), ast.Store):
+                if n.id not in scope and n.id not in self.constants and not _is_callee(node, n):
+                    raise TemplateError(f"template {name}: unknown name {n.id!r}")
+            elif not (isinstance(n, (ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.Load))
+                      or isinstance(n, ast.Constant) and type(n.value) in (int, float)
+                      or type(n) in _BIN or type(n) in _CMP or type(n) in (ast.USub, ast.Invert)):
+                raise TemplateError(f"template {name}: {type(n).__name__} is not in the "
+                                    f"template language ({ast.unparse(node)!r})")
+            if isinstance(n, ast.Compare) and len(n.ops) != 1:
+                raise TemplateError(f"template {name}: chained comparison {ast.unparse(n)!r}")
+
+    def emit(self, name: str, b, values):
+        t = self.table[name]
+        stmts, result = _parse(t.body)
+        env = dict(zip(t.names, values))
+        ty = values[0].type
+        for target, expr in stmts:
+            env[target] = self._value(b, expr, env, ty)
+        if t.outputs:
+            return tuple(env[o] for o in t.outputs)
+        return self._value(b, result, env, ty)
+
+    def _value(self, b, node, env, ty):
+        v = self._expr(b, node, env, ty)
+        return u.const(ty, v) if isinstance(v, float) else v
+
+    def _expr(self, b, node, env, ty):
+        """An IR value, or a Python float while the subexpression is constant (folded)."""
+        if isinstance(node, ast.Constant):
+            return float(node.value)
+        if isinstance(node, ast.Name):
+            if node.id in env:
+                return env[node.id]
+            return float(self.constants[node.id])
+        if isinstance(node, ast.UnaryOp):
+            x = self._expr(b, node.operand, env, ty)
+            if isinstance(node.op, ast.USub):
+                return -x if isinstance(x, float) else b.fneg(x)
+            return b.not_(x)  # ~
+        if isinstance(node, ast.BinOp):
+            x = self._expr(b, node.left, env, ty)
+            y = self._expr(b, node.right, env, ty)
+            if isinstance(x, float) and isinstance(y, float):
+                return _FOLD[type(node.op)](x, y)
+            x = u.const(ty, x) if isinstance(x, float) else x
+            y = u.const(ty, y) if isinstance(y, float) else y
+            return getattr(b, _BIN[type(node.op)])(x, y)
+        if isinstance(node, ast.Compare):
+            x = self._value(b, node.left, env, ty)
+            y = self._value(b, node.comparators[0], env, ty)
+            pred = _CMP[type(node.ops[0])]
+            return b.fcmp_unordered(pred, x, y) if pred == "!=" else b.fcmp_ordered(pred, x, y)
+        if isinstance(node, ast.IfExp):
+            c = self._value(b, node.test, env, ty)
+            return b.select(c, self._value(b, node.body, env, ty),
+                            self._value(b, node.orelse, env, ty))
+        if isinstance(node, ast.Call):
+            args = [self._value(b, a, env, ty) for a in node.args]
+            fn = node.func.id
+            if fn in PRIMITIVES:
+                return PRIMITIVES[fn](b, *args)
+            return self.emit(fn, b, args)
+        raise TemplateError(f"{ast.unparse(node)!r} is not in the template language")
+
+
+def _is_callee(root, name_node) -> bool:
+    return any(isinstance(n, ast.Call) and n.func is name_node for n in ast.walk(root))
+
+
+def lower_table(table: dict, constants: dict, names=None) -> dict:
+    """{name: (arity, emit)} for the elementwise generator, every template checked now;
+    `names` picks the entries that are kernels (the rest are building blocks)."""
+    low = _Lowering(table, constants)
+    for name in table:
+        low.check(name)
+    out = {}
+    for name in (table if names is None else names):
+        out[name] = (table[name].arity, functools.partial(_emit_entry, low, name))
+    return out
+
+
+def _emit_entry(low, name, b, *values):
+    return low.emit(name, b, list(values))
+
+
+def emitter(table: dict, constants: dict, name: str):
+    """emit(builder, *values) of one template (a kernel body that loads and stores itself)."""
+    low = _Lowering(table, constants)
+    low.check(name)
+    return functools.partial(_emit_entry, low, name)
