@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from . import activations, masks, typed
+from . import activations, loss, masks, typed
 from . import irutil as u
 from .emit import nan_max, nan_min
 from .vpow import pow as _pow
@@ -93,8 +93,8 @@ ARITHMETIC = {
     "pick": (3, _pick),
 }
 
-# every float op: arithmetic here, activations and masks in their own modules
-FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **masks.OPS, **typed.CASTS}
+# every float op: arithmetic here, activations, losses and masks in their own modules
+FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **loss.OPS, **masks.OPS, **typed.CASTS}
 
 INT_OPS = typed.OPS  # i64 and bool arithmetic lives in codegen/typed.py
 
