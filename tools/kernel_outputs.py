@@ -2,7 +2,8 @@
 
 Moving a formula into `fucina/kernel_templates/` must not change a single output bit. This
 script runs each kernel whose scalar formula is a template — the activations and their
-backward rules, the elementwise losses and their derivatives, the SGD and Adam/AdamW updates —
+backward rules, the elementwise losses and their derivatives, the SGD, Adam/AdamW, Muon and
+APOLLO element maps —
 over fixed inputs (lengths with and without a vector tail, f32 and 16-bit storage, special
 values: NaN, ±inf, ±0, subnormals, huge magnitudes) and records one digest per case.
 tests/test_kernel_templates.py recomputes the table and compares it with the committed JSON.
@@ -139,6 +140,63 @@ def _optim_cases(ctx, table):
                         hashlib.sha256(outputs(p, master, m, v).encode()).hexdigest()
 
 
+def _lowrank_cases(ctx, table):
+    from fucina.codegen.optim_lowrank import (ApolloApplyKey, HfAdamwKey, MuonApplyKey,
+                                              MuonMomentumKey)
+    from fucina.exec import optim_lowrank as lr
+
+    n = 533
+
+    def f32(seed, lo=-2.0, hi=2.0, shape=(n,)):
+        k = int(np.prod(shape))
+        return ctx.from_numpy(inputs(k, seed, lo, hi).reshape(shape), shape, "f32")
+
+    def digest(*ts):
+        text = "".join(_digest(t.to_numpy()) for t in ts if t is not None)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    for state in ("f32", "bf16"):
+        for nesterov in (False, True):
+            for m_small in (False, True):
+                for n_small in (False, True):
+                    key = MuonMomentumKey(state, nesterov, m_small, n_small)
+                    g, out = f32(21), f32(22)
+                    m = ctx.from_numpy(inputs(n, 23, -1.0, 1.0), (n,), state)
+                    w, beta = (0.05, 0.95) if m_small else (0.7, 0.3)
+                    lr.muon_momentum(ctx, key, g, m.addr, out, w, beta)
+                    table[f"optim/muon_momentum/{state}/{nesterov}/{m_small}/{n_small}"] = \
+                        digest(m, out)
+    for param in ("f32", "bf16"):
+        p = ctx.from_numpy(inputs(n, 31, -2.0, 2.0), (n,), param)
+        master = f32(31) if param != "f32" else None
+        lr.muon_apply(ctx, MuonApplyKey(param), p, master, f32(32), 0.999, 0.02)
+        table[f"optim/muon_apply/{param}"] = digest(p, master)
+        p = ctx.from_numpy(inputs(n, 33, -2.0, 2.0), (n,), param)
+        master = f32(33) if param != "f32" else None
+        lr.apollo_apply(ctx, ApolloApplyKey(param), p, master, f32(34), (1.5, 0.7, 0.01, -1e-3))
+        table[f"optim/apollo_apply/{param}"] = digest(p, master)
+        p = ctx.from_numpy(inputs(n, 35, -2.0, 2.0), (n,), param)
+        master = f32(35) if param != "f32" else None
+        m, v = f32(36, -1.0, 1.0), f32(37, 0.0, 1.0)
+        lr.hf_adamw(ctx, HfAdamwKey(param), p, master, f32(38), m.addr, v.addr,
+                    (0.9, 0.1, 0.999, 0.001, 1e-6, 0.01, -1e-3))
+        table[f"optim/hf_adamw/{param}"] = digest(p, master, m, v)
+    out, x = f32(41), f32(42)
+    lr.axpby(ctx, out, x, f32(43), 2.0315, -4.7750)
+    table["optim/ns_axpby"] = digest(out)
+    for mode, shape in (("tall", (40, 8)), ("wide", (8, 40)), ("tensor", (8, 40))):
+        r = f32(51, shape=shape)
+        m, v = f32(52, -1.0, 1.0, shape), f32(53, 0.0, 1.0, shape)
+        channels = {"tall": shape[0], "wide": shape[1], "tensor": 1}[mode]
+        s = f32(54, shape=(channels,))
+        lr.apollo_scale(ctx, r, m.addr, v.addr, s, mode, (0.9, 0.1, 0.999, 0.001, 1e-6))
+        table[f"optim/apollo_scale/{mode}"] = digest(m, v, s)
+        for front in (None, 1.7):
+            out = f32(55, shape=shape)
+            lr.apollo_build(ctx, out, f32(56, shape=shape), s, mode, front)
+            table[f"optim/apollo_build/{mode}/{front}"] = digest(out)
+
+
 def compute() -> dict:
     """The table {case: sha256 of the output bytes}, at one thread."""
     import fucina as fu
@@ -150,6 +208,7 @@ def compute() -> dict:
             _activation_cases(ctx, table)
             _loss_cases(ctx, table)
             _optim_cases(ctx, table)
+            _lowrank_cases(ctx, table)
     finally:
         ctx.close()
     return dict(sorted(table.items()))
