@@ -3,7 +3,7 @@
 Moving a formula into `fucina/kernel_templates/` must not change a single output bit. This
 script runs each kernel whose scalar formula is a template — the activations and their
 backward rules, the elementwise losses and their derivatives, the SGD, Adam/AdamW, Muon and
-APOLLO element maps —
+APOLLO element maps, the i64 arithmetic (wrapping, the guarded divisions) —
 over fixed inputs (lengths with and without a vector tail, f32 and 16-bit storage, special
 values: NaN, ±inf, ±0, subnormals, huge magnitudes) and records one digest per case.
 tests/test_kernel_templates.py recomputes the table and compares it with the committed JSON.
@@ -197,6 +197,40 @@ def _lowrank_cases(ctx, table):
             table[f"optim/apollo_build/{mode}/{front}"] = digest(out)
 
 
+INT_SPECIAL = np.array([0, 1, -1, 2, -2, 3, -3, 7, -7, 2**63 - 1, -2**63, -2**63 + 1, 2**62,
+                        -2**62, 10**18, -10**18], np.int64)
+
+
+def int_inputs(n: int, seed: int) -> np.ndarray:
+    """n int64 values: the special ones (0, ±1, the extremes) first, then small and wide ones."""
+    rng = np.random.default_rng(seed)
+    x = np.where(rng.random(n) < 0.5, rng.integers(-20, 20, n),
+                 rng.integers(-2**62, 2**62, n)).astype(np.int64)
+    k = min(n, INT_SPECIAL.size)
+    x[:k] = np.roll(INT_SPECIAL, seed)[:k]
+    return x
+
+
+def _typed_cases(ctx, table):
+    from fucina.codegen import typed
+    from fucina.exec import elementwise as ew
+
+    ops = ("neg", "add", "sub", "mul", "maximum", "minimum", "div_trunc", "div_floor", "rem",
+           "mod", "bit_and", "bit_or", "bit_xor")
+    for op in ops:
+        arity = typed.OPS[op][0]
+        for n in LENGTHS:
+            for shift in range(3):   # every special value meets every other as a divisor
+                ins = [ctx.from_numpy(np.roll(int_inputs(n, 5 * j + n), shift * j), (n,), "i64")
+                       for j in range(arity)]
+                out = ew.run(ctx, op, "i64", (n,), ins)
+                table[f"typed/{op}/i64/{n}/{shift}"] = _digest(out.to_numpy())
+        if op.startswith("bit_"):
+            ins = [ctx.from_numpy(np.random.default_rng(j).random(100) < 0.5, (100,), "bool")
+                   for j in range(2)]
+            table[f"typed/{op}/bool/100"] = _digest(ew.run(ctx, op, "bool", (100,), ins).to_numpy())
+
+
 def compute() -> dict:
     """The table {case: sha256 of the output bytes}, at one thread."""
     import fucina as fu
@@ -209,6 +243,7 @@ def compute() -> dict:
             _loss_cases(ctx, table)
             _optim_cases(ctx, table)
             _lowrank_cases(ctx, table)
+            _typed_cases(ctx, table)
     finally:
         ctx.close()
     return dict(sorted(table.items()))
