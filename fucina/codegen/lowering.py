@@ -7,17 +7,21 @@ is lowered, never evaluated by Python):
     name = expr          a local (a name may be rebound; later lines see the new value)
     expr                 the last line: the result (or `outputs=` names the results)
 
-    x + y  x - y  x * y  x / y  -x       IEEE float32 fadd fsub fmul fdiv fneg, as written:
-                                         left to right, no reassociation, no contraction
-    x < y  x <= y  x > y  x >= y  x == y ordered compares (false on NaN); x != y unordered
-    c & d  c | d  ~c                     on compare results
+    x + y  x - y  x * y  x / y  -x       float lanes: IEEE fadd fsub fmul fdiv fneg, as
+                                         written: left to right, no reassociation, no
+                                         contraction; integer lanes: wrapping add sub mul and
+                                         0 − x (no `/`: the sdiv/srem primitives)
+    x < y  x <= y  x > y  x >= y  x == y float: ordered compares (false on NaN), x != y
+                                         unordered; integer: signed compares
+    c & d  c | d  c ^ d  ~c              on compare results and integer lanes
     a if c else b                        select (both sides computed: branch-free)
     f(a, ...)                            a primitive (PRIMITIVES below; a kernel may share a
                                          primitive's name and call it) or another template
                                          of the same table, inlined
     2.5  NAME                            a constant: a literal, or a name from the table's
-                                         CONSTANTS; constant subexpressions fold in float64
-                                         and round to float32 once (so 1 / 30 is fl32(1/30))
+                                         CONSTANTS; constant subexpressions fold in Python
+                                         (float64, or exact integers) and are rounded to the
+                                         lane type once (so 1 / 30 is fl32(1/30))
 
 Inputs, locals, constants and callees are resolved when a template is lowered, so a misspelt
 name fails at import with the template's name. Values are scalar or vector IR values alike: a
@@ -80,6 +84,10 @@ PRIMITIVES = {
     "maximum": nan_max,                                # NaN-propagating
     "minimum": nan_min,
     "f16_round": _f16_round,
+    # integer lanes: LLVM's sdiv/srem (undefined for a 0 divisor and minInt / -1: guard them)
+    "sdiv": lambda b, x, y: b.sdiv(x, y),
+    "srem": lambda b, x, y: b.srem(x, y),
+    "zext": lambda b, c, like: b.zext(c, like.type),  # an i1 as 0/1 of like's type
     # the compensated sigmoid family (codegen/vsigmoid.py)
     "sigmoid": lambda b, x: _sig().sigmoid(b, x),
     "silu": lambda b, x: _sig().silu(b, x),
@@ -87,10 +95,25 @@ PRIMITIVES = {
 }
 
 _CMP = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
-_BIN = {ast.Add: "fadd", ast.Sub: "fsub", ast.Mult: "fmul", ast.Div: "fdiv",
-        ast.BitAnd: "and_", ast.BitOr: "or_"}
+_FLOAT_OP = {ast.Add: "fadd", ast.Sub: "fsub", ast.Mult: "fmul", ast.Div: "fdiv"}
+_INT_OP = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.BitAnd: "and_", ast.BitOr: "or_",
+           ast.BitXor: "xor"}
+_BIN = {**_FLOAT_OP, **_INT_OP}
 _FOLD = {ast.Add: lambda a, c: a + c, ast.Sub: lambda a, c: a - c,
          ast.Mult: lambda a, c: a * c, ast.Div: lambda a, c: a / c}
+
+
+def _num(v) -> bool:
+    """A folded constant (a Python number), not an IR value."""
+    return isinstance(v, (int, float))
+
+
+def _is_int(v) -> bool:
+    """An integer lane (i64, a bool byte, a compare's i1), scalar or vector."""
+    from llvmlite import ir
+
+    t = v.type.element if isinstance(v.type, ir.VectorType) else v.type
+    return isinstance(t, ir.IntType)
 
 
 class TemplateError(ValueError):
@@ -173,33 +196,42 @@ class _Lowering:
 
     def _value(self, b, node, env, ty):
         v = self._expr(b, node, env, ty)
-        return u.const(ty, v) if isinstance(v, float) else v
+        return u.const(ty, v) if _num(v) else v
 
     def _expr(self, b, node, env, ty):
-        """An IR value, or a Python float while the subexpression is constant (folded)."""
+        """An IR value, or a Python number while the subexpression is constant (folded)."""
         if isinstance(node, ast.Constant):
-            return float(node.value)
+            return node.value
         if isinstance(node, ast.Name):
             if node.id in env:
                 return env[node.id]
-            return float(self.constants[node.id])
+            return self.constants[node.id]
         if isinstance(node, ast.UnaryOp):
             x = self._expr(b, node.operand, env, ty)
             if isinstance(node.op, ast.USub):
-                return -x if isinstance(x, float) else b.fneg(x)
+                if _num(x):
+                    return -x
+                return b.sub(u.const(x.type, 0), x) if _is_int(x) else b.fneg(x)  # int: wraps
             return b.not_(x)  # ~
         if isinstance(node, ast.BinOp):
             x = self._expr(b, node.left, env, ty)
             y = self._expr(b, node.right, env, ty)
-            if isinstance(x, float) and isinstance(y, float):
-                return _FOLD[type(node.op)](x, y)
-            x = u.const(ty, x) if isinstance(x, float) else x
-            y = u.const(ty, y) if isinstance(y, float) else y
-            return getattr(b, _BIN[type(node.op)])(x, y)
+            op = type(node.op)
+            if _num(x) and _num(y) and op in _FOLD:
+                return _FOLD[op](x, y)
+            x = u.const(ty, x) if _num(x) else x
+            y = u.const(ty, y) if _num(y) else y
+            table = _INT_OP if _is_int(x) else _FLOAT_OP
+            if op not in table:
+                raise TemplateError(f"{ast.unparse(node)!r}: no {op.__name__} on "
+                                    f"{'integer' if _is_int(x) else 'float'} lanes")
+            return getattr(b, table[op])(x, y)
         if isinstance(node, ast.Compare):
             x = self._value(b, node.left, env, ty)
             y = self._value(b, node.comparators[0], env, ty)
             pred = _CMP[type(node.ops[0])]
+            if _is_int(x):
+                return b.icmp_signed(pred, x, y)
             return b.fcmp_unordered(pred, x, y) if pred == "!=" else b.fcmp_ordered(pred, x, y)
         if isinstance(node, ast.IfExp):
             c = self._value(b, node.test, env, ty)

@@ -8,7 +8,8 @@ loops, loads, stores and layouts; a template owns only the arithmetic of one ele
 
   activations.py   the activations and their backward rules (forward, _grad, gated pairs)
   losses.py        the elementwise losses (L-4) and their derivatives
-  optim.py         the SGD and Adam/AdamW update rules
+  optim.py         the optimizer update rules (SGD, Adam/AdamW, Muon, APOLLO, HF AdamW)
+  typed.py         the i64 arithmetic (wrapping; the guarded divisions and remainders)
 
 These files are part of the kernel-cache fingerprint (codegen/kernels.py), so editing a
 formula invalidates exactly the cached objects it could change.
