@@ -54,6 +54,7 @@ EXACT = {
     "round": _round32,
     "sign": lambda x: np.where(x > 0, f32(1), np.where(x < 0, f32(-1), x)),
     "reciprocal": lambda x: f32(1) / x,
+    "hardswish": lambda x: x * np.minimum(np.maximum(x + f32(3), f32(0)), f32(6)) / f32(6),
 }
 
 # float64 references: the float32 algebraic prefix that feeds a transcendental is formed in
@@ -133,7 +134,7 @@ def test_acceptance(ctx):
 
 
 def test_every_member_and_alias_exists(ctx1):
-    assert len(UNARY) == 28 and len(set(UNARY)) == 28
+    assert len(UNARY) == 29 and len(set(UNARY)) == 29
     x = ctx1.tensor([0.25, -0.5], ("n",))
     aliases = {"softcap_30": "softcap30", "softcap_15": "softcap15"}
     for op in UNARY:
@@ -294,6 +295,7 @@ TORCH = {
     "gelu_quant": lambda t: F.gelu(t, approximate="tanh"),   # its backward is tanh-gelu's
     "elu": F.elu, "gelu_erf": F.gelu, "floor": torch.floor, "ceil": torch.ceil,
     "round": torch.round, "sign": torch.sign, "reciprocal": torch.reciprocal, "erf": torch.erf,
+    "hardswish": F.hardswish,
 }
 POSITIVE = {"sqrt", "rsqrt", "log", "log1p"}
 
@@ -328,6 +330,23 @@ def test_unary_gradient_against_torch_and_fd(ctx1, op):
     small = ctx1.variable(a_np[:6], ("n",))
     ws = ctx1.tensor(w_np[:6], ("n",))
     assert fu.gradcheck(lambda v: (v.unary(op) * ws).sum_all(), [small]).checked == 6
+
+
+def test_hardswish_is_torchs_bit_for_bit(ctx1):
+    """The one-template activation: forward and backward bitwise torch's (x·t/6 with a true
+    division; the derivative 0 up to -3 inclusive, g from 3, else g·(x/3 + 1/2), so NaN at
+    NaN as torch's vectorized path gives — its scalar tail gives g there)."""
+    x_np = np.concatenate([(RNG.standard_normal(20000) * 4).astype(f32), EDGE,
+                           np.array([-3, 3, 2.9999998, -2.9999998, -3.0000002], f32)])
+    g_np = RNG.standard_normal(x_np.size).astype(f32)
+    x = ctx1.variable(x_np, ("n",))
+    y = x.hardswish()
+    (y * ctx1.tensor(g_np, ("n",))).sum_all().backward()
+    tx = torch.from_numpy(x_np.copy()).requires_grad_()
+    ty = F.hardswish(tx)
+    ty.backward(torch.from_numpy(g_np))
+    assert_bitwise(y.numpy(), ty.detach().numpy())
+    assert_bitwise(x.grad().numpy(), tx.grad.numpy())
 
 
 def test_gradients_at_kinks_and_zero_derivatives(ctx1):

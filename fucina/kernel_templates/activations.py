@@ -1,8 +1,10 @@
 """Activation formulas (SPEC §3.3–§3.6): the UnaryOp family, leaky_relu and clamp, the gated
 pairs, and the backward rule of each — one template per kernel (language: codegen/lowering.py).
 
-Adding an activation is one entry here (forward and, if differentiable, its `_grad`), a row
-in fucina/ag/activations.py's UNARY table and a test row in tests/test_activations.py.
+Adding a UnaryOp is this file alone — its forward template, its `_grad` template and its
+UNARY_RULES row (`x.unary(name)` and autograd then work) — plus its rows in
+tests/test_activations.py (EXACT or ref64/BOUND, and TORCH) and, for a method spelling
+(`x.name()`), one line in fucina/ag/activations.py's ActivationMethods.
 
 Backward kernels take the upstream gradient g first, then what the rule reads: the forward
 input x or the forward output y (gated rules: the up operand, then the gate). By-value
@@ -148,6 +150,7 @@ KERNELS = {
     "round": T("x", "roundeven(x)"),  # SPEC's (|x| + 2^23) − 2^23 with copysign is exactly this
     "sign": T("x", "1 if x > 0 else (-1 if x < 0 else x)"),  # ±0 kept, NaN propagates
     "reciprocal": T("x", "1 / x"),
+    "hardswish": T("x", "x * minimum(maximum(x + 3, 0), 6) / 6"),   # MobileNetV3; torch's order
 
     # UnaryOp backward: (g, x) or (g, y)
     "relu_grad": T("g x", "g if x > 0 else 0"),
@@ -174,6 +177,7 @@ KERNELS = {
     "gelu_erf_grad": T("g x", "g * _gelu_erf_deriv(x)"),
     "reciprocal_grad": T("g y", "g * -(y * y)"),
     "erf_grad": T("g x", "g * (TWO_OVER_SQRT_PI * exp(-(x * x)))"),
+    "hardswish_grad": T("g x", "0 if x <= -3 else (g if x >= 3 else g * (x / 3 + 0.5))"),
 
     # parameterized (SPEC §3.4): the parameter is a by-value kernel argument
     "leaky_relu": T("x slope", "x if x > 0 else slope * x"),
@@ -204,3 +208,20 @@ KERNELS = {
 }
 
 TEMPLATES = {**BUILDING_BLOCKS, **KERNELS}
+
+# The UnaryOp family (SPEC §3.3), in its documented order: op -> (backward kernel, what it
+# reads: "x" the input, "y" the output, None only g), or None where the derivative is 0 almost
+# everywhere (the gradient is zeros). neg, mul and div are the arithmetic table's kernels.
+UNARY_RULES = {
+    "relu": ("relu_grad", "x"), "exp": ("mul", "y"), "sqrt": ("sqrt_grad", "y"),
+    "rsqrt": ("rsqrt_grad", "x"), "sigmoid": ("sigmoid_grad", "y"), "silu": ("silu_grad", "x"),
+    "log": ("div", "x"), "log1p": ("log1p_grad", "x"), "softplus": ("softplus_grad", "x"),
+    "neg": ("neg", None), "abs": ("abs_grad", "x"), "sin": ("sin_grad", "x"),
+    "cos": ("cos_grad", "x"), "tanh": ("tanh_grad", "y"), "fast_tanh": ("fast_tanh_grad", "x"),
+    "gelu": ("gelu_grad", "x"), "quick_gelu": ("quick_gelu_grad", "x"),
+    "softcap_30": ("softcap_30_grad", "x"), "softcap_15": ("softcap_15_grad", "y"),
+    "gelu_quant": ("gelu_grad", "x"), "elu": ("elu_grad", "x"),
+    "gelu_erf": ("gelu_erf_grad", "x"), "floor": None, "ceil": None, "round": None, "sign": None,
+    "reciprocal": ("reciprocal_grad", "y"), "erf": ("erf_grad", "x"),
+    "hardswish": ("hardswish_grad", "x"),
+}
