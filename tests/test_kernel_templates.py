@@ -48,13 +48,15 @@ def _lower(table, constants=None):
     ("0 < x < 1", "chained comparison"),
     ("x and x", "BoolOp is not in the template language"),
     ("y = x +", "invalid syntax"),
-    ("y = x", "expected a result line or outputs"),
+    ("y = x", "expected a result line last"),
+    ("_back(x)", "calls itself via bad -> _back -> bad"),
 ])
 def test_a_bad_template_is_refused_at_lowering_naming_it(body, words):
     from fucina.codegen.lowering import TemplateError
     from fucina.kernel_templates.template import Template as T
 
-    table = {"_two": T("x", "2 * x"), "bad": T("x", body)}
+
+    table = {"bad": T("x", body), "_two": T("x", "2 * x"), "_back": T("x", "bad(x)")}
     with pytest.raises(TemplateError, match="template bad: .*" + re.escape(words)):
         _lower(table)
 

@@ -5,7 +5,7 @@ language (a subset of Python's expression syntax, parsed with `ast` and checked 
 is lowered, never evaluated by Python):
 
     name = expr          a local (a name may be rebound; later lines see the new value)
-    expr                 the last line: the result (or `outputs=` names the results)
+    expr                 the last line: the result
 
     x + y  x - y  x * y  x / y  -x       float lanes: IEEE fadd fsub fmul fdiv fneg, as
                                          written: left to right, no reassociation, no
@@ -23,7 +23,7 @@ is lowered, never evaluated by Python):
                                          (float64, or exact integers) and are rounded to the
                                          lane type once (so 1 / 30 is fl32(1/30))
 
-Inputs, locals, constants and callees are resolved when a template is lowered, so a misspelt
+Inputs, locals, constants and callees are resolved when a table is lowered, so a misspelt
 name fails at import with the template's name. Values are scalar or vector IR values alike: a
 template is lowered once per lane shape, and the scalar tail runs the same operations as a
 vector lane, so both give the same bits. A literal takes the type of the template's first
@@ -36,6 +36,7 @@ import ast
 import functools
 import textwrap
 
+from ..errors import FucinaError
 from . import irutil as u
 from .emit import nan_max, nan_min, sqrt
 
@@ -116,9 +117,10 @@ def _is_int(v) -> bool:
     return isinstance(t, ir.IntType)
 
 
-class TemplateError(ValueError):
+class TemplateError(FucinaError, ValueError):
     """A template that cannot be lowered: a syntax outside the language, an unknown name, a
-    call with the wrong number of arguments. Raised at import, naming the template."""
+    call with the wrong number of arguments, a template that calls itself (raised when its
+    table is lowered, at import); an operator its lane type lacks (when a kernel is built)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,17 +153,23 @@ class _Lowering:
             raise TemplateError(f"template {name}: {e.msg} in {t.body.strip()!r}") from None
         except TemplateError as e:
             raise TemplateError(f"template {name}: {e}") from None
-        if result is None and not t.outputs:
-            raise TemplateError(f"template {name}: expected a result line or outputs")
+        if result is None:
+            raise TemplateError(f"template {name}: expected a result line last")
         scope = set(t.names)
         for target, expr in stmts:
             self._check_expr(name, expr, scope)
             scope.add(target)
-        if result is not None:
-            self._check_expr(name, result, scope)
-        missing = [o for o in t.outputs if o not in scope]
-        if missing:
-            raise TemplateError(f"template {name}: outputs {missing} are not assigned")
+        self._check_expr(name, result, scope)
+
+    def check_acyclic(self, name: str, path=()) -> None:
+        """No template reaches itself through its callees (inlining would not end)."""
+        if name in path:
+            raise TemplateError(f"template {path[0]}: calls itself via {' -> '.join(path + (name,))}")
+        stmts, result = _parse(self.table[name].body)
+        for e in [e for _, e in stmts] + [result]:
+            for n in ast.walk(e):
+                if isinstance(n, ast.Call) and n.func.id not in PRIMITIVES:
+                    self.check_acyclic(n.func.id, path + (name,))
 
     def _check_expr(self, name, node, scope):
         for n in ast.walk(node):
@@ -190,8 +198,6 @@ class _Lowering:
         ty = values[0].type
         for target, expr in stmts:
             env[target] = self._value(b, expr, env, ty)
-        if t.outputs:
-            return tuple(env[o] for o in t.outputs)
         return self._value(b, result, env, ty)
 
     def _value(self, b, node, env, ty):
@@ -256,6 +262,8 @@ def lower_table(table: dict, constants: dict, names=None) -> dict:
     low = _Lowering(table, constants)
     for name in table:
         low.check(name)
+    for name in table:
+        low.check_acyclic(name)
     out = {}
     for name in (table if names is None else names):
         out[name] = (table[name].arity, functools.partial(_emit_entry, low, name))
@@ -264,10 +272,3 @@ def lower_table(table: dict, constants: dict, names=None) -> dict:
 
 def _emit_entry(low, name, b, *values):
     return low.emit(name, b, list(values))
-
-
-def emitter(table: dict, constants: dict, name: str):
-    """emit(builder, *values) of one template (a kernel body that loads and stores itself)."""
-    low = _Lowering(table, constants)
-    low.check(name)
-    return functools.partial(_emit_entry, low, name)

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Template:
     """A lane formula: `inputs` (names, space separated: tensors first, then by-value
-    parameters), `body` (the expression language of codegen/lowering.py) and, for several
-    results, the names of the locals returned (`outputs`)."""
+    parameters) and `body` (the expression language of codegen/lowering.py)."""
 
     inputs: str
     body: str
-    outputs: tuple = ()
 
     @property
     def names(self) -> tuple:
