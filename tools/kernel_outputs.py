@@ -2,7 +2,7 @@
 
 Moving a formula into `fucina/kernel_templates/` must not change a single output bit. This
 script runs each kernel whose scalar formula is a template — the activations and their
-backward rules, the elementwise losses and their derivatives, the SGD, Adam/AdamW, Muon and
+backward rules, the float arithmetic and its backward rules, the elementwise losses and their derivatives, the SGD, Adam/AdamW, Muon and
 APOLLO element maps, the i64 arithmetic (wrapping, the guarded divisions) —
 over fixed inputs (lengths with and without a vector tail, f32 and 16-bit storage, special
 values: NaN, ±inf, ±0, subnormals, huge magnitudes) and records one digest per case.
@@ -64,6 +64,26 @@ def _activation_cases(ctx, table):
         ins = [src[0].view((n,), (0,))] + [s.view((n,), (2,)) for s in src[1:]]
         out = ew.run(ctx, op, "f32", (n,), [*ins, *extra])
         table[f"act/{op}/f32/layout"] = _digest(out.to_numpy())
+
+
+def _arithmetic_cases(ctx, table):
+    from fucina.codegen.elementwise import ARITHMETIC
+    from fucina.exec import elementwise as ew
+
+    for op, (arity, _) in sorted(ARITHMETIC.items()):
+        for dtype in ("f32", "bf16"):
+            for n in LENGTHS:
+                if op == "pick":   # g, then the chosen index and the position (i64)
+                    ins = [ctx.from_numpy(inputs(n, n), (n,), dtype),
+                           ctx.from_numpy(np.arange(n) % 3, (n,), "i64"),
+                           ctx.from_numpy(np.arange(n)[::-1] % 4, (n,), "i64")]
+                    out = ew.run(ctx, op, dtype, (n,), ins)
+                else:
+                    ins = [ctx.from_numpy(inputs(n, 13 * j + n), (n,), dtype) for j in range(arity)]
+                    if op == "add_scaled":  # x + a·y: a is a by-value parameter
+                        ins[-1] = 0.375
+                    out = ew.run(ctx, op, dtype, (n,), ins)
+                table[f"arith/{op}/{dtype}/{n}"] = _digest(out.to_numpy())
 
 
 def _loss_cases(ctx, table):
@@ -240,6 +260,7 @@ def compute() -> dict:
     try:
         with np.errstate(over="ignore"):  # SPECIAL's 3.4e38 becomes inf in f16 storage: wanted
             _activation_cases(ctx, table)
+            _arithmetic_cases(ctx, table)
             _loss_cases(ctx, table)
             _optim_cases(ctx, table)
             _lowrank_cases(ctx, table)
