@@ -48,6 +48,12 @@ def _vmath():
     return vmath
 
 
+def _vpow(b, x, y):
+    from .vpow import pow
+
+    return pow(b, x, y)
+
+
 def _sig():
     from . import vsigmoid
 
@@ -85,6 +91,7 @@ PRIMITIVES = {
     "maximum": nan_max,                                # NaN-propagating
     "minimum": nan_min,
     "f16_round": _f16_round,
+    "pow": lambda b, x, y: _vpow(b, x, y),             # C99/Zig domain (codegen/vpow.py)
     # integer lanes: LLVM's sdiv/srem (undefined for a 0 divisor and minInt / -1: guard them)
     "sdiv": lambda b, x, y: b.sdiv(x, y),
     "srem": lambda b, x, y: b.srem(x, y),

@@ -6,6 +6,7 @@ primitives — and codegen/lowering.py lowers it to the IR the generators emit, 
 scalar tail alike. The generators (codegen/elementwise.py, codegen/optim.py, ...) own the
 loops, loads, stores and layouts; a template owns only the arithmetic of one element.
 
+  arithmetic.py    float arithmetic and the binary ops' backward rules
   activations.py   the activations and their backward rules (forward, _grad, gated pairs)
   losses.py        the elementwise losses (L-4) and their derivatives
   optim.py         the optimizer update rules (SGD, Adam/AdamW, Muon, APOLLO, HF AdamW)
