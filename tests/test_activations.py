@@ -103,7 +103,7 @@ def ref64(op, x):
 
 
 # max error in float32 ulps vs ref64, measured (docs: the module docstring of
-# fucina/codegen/activations.py); gelu_erf adds |x|·2^-25 absolute for x < -1 (see its test)
+# fucina/kernel_templates/activations.py); gelu_erf adds |x|·2^-25 absolute for x < -1 (see its test)
 BOUND = {"exp": 1.1, "sigmoid": 1.6, "silu": 2.0, "log": 1.0, "log1p": 1.0, "softplus": 1.9,
          "sin": 1.7, "cos": 1.9, "tanh": 1.4, "gelu": 2.0, "quick_gelu": 2.0, "softcap_30": 1.8,
          "softcap_15": 1.8, "elu": 1.5, "gelu_erf": 2.0, "erf": 1.1}
@@ -239,7 +239,7 @@ def test_denormal_results_are_accurate(ctx1):
 
 def test_sigmoid_silu_scaled_tail_and_saturation(ctx1):
     """sigmoid and silu carry e^-|x| times 2^31 with |x| clamped at 109.6 (see
-    codegen/activations.py): every float32 in [-112, -80] (normal, denormal and underflowing
+    codegen/vsigmoid.py): every float32 in [-112, -80] (normal, denormal and underflowing
     results, the clamp) is within the bound; above 17.4 sigmoid is 1 and silu is x itself, up
     to FLT_MAX (silu's numerator clamp at 2^90 included); below -109.2 both are zero."""
     x = -np.arange(f32(80).view(np.uint32), f32(112).view(np.uint32), dtype=np.uint32).view(f32)
