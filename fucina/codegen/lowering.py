@@ -168,15 +168,19 @@ class _Lowering:
             scope.add(target)
         self._check_expr(name, result, scope)
 
-    def check_acyclic(self, name: str, path=()) -> None:
+    def check_acyclic(self, name: str, path=(), done=None) -> None:
         """No template reaches itself through its callees (inlining would not end)."""
+        done = set() if done is None else done
         if name in path:
             raise TemplateError(f"template {path[0]}: calls itself via {' -> '.join(path + (name,))}")
+        if name in done:
+            return
         stmts, result = _parse(self.table[name].body)
         for e in [e for _, e in stmts] + [result]:
             for n in ast.walk(e):
                 if isinstance(n, ast.Call) and n.func.id not in PRIMITIVES:
-                    self.check_acyclic(n.func.id, path + (name,))
+                    self.check_acyclic(n.func.id, path + (name,), done)
+        done.add(name)
 
     def _check_expr(self, name, node, scope):
         for n in ast.walk(node):
@@ -269,8 +273,9 @@ def lower_table(table: dict, constants: dict, names=None) -> dict:
     low = _Lowering(table, constants)
     for name in table:
         low.check(name)
+    done: set = set()
     for name in table:
-        low.check_acyclic(name)
+        low.check_acyclic(name, (), done)
     out = {}
     for name in (table if names is None else names):
         out[name] = (table[name].arity, functools.partial(_emit_entry, low, name))
