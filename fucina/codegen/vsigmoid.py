@@ -1,6 +1,7 @@
 """The compensated sigmoid family: sigmoid(x), silu(x) and m·sigmoid(v) (optionally times an
-outer factor) to within 2 ulp down to denormal results — the primitives the activation
-templates (fucina/kernel_templates/activations.py) call by name, like vmath's.
+outer factor), accurate down to denormal results — the primitives the activation templates
+(fucina/kernel_templates/activations.py, where the measured bounds are) call by name, like
+vmath's.
 
 Each needs integer work on the exponent (e^-|x| carried scaled by a power of two so it stays
 normal, a compensated quotient), which is why they are written as IR builders here and not as

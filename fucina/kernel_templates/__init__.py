@@ -12,6 +12,6 @@ loops, loads, stores and layouts; a template owns only the arithmetic of one ele
   optim.py         the optimizer update rules (SGD, Adam/AdamW, Muon, APOLLO, HF AdamW)
   typed.py         the i64 arithmetic (wrapping; the guarded divisions and remainders)
 
-These files are part of the kernel-cache fingerprint (codegen/kernels.py), so editing a
-formula invalidates exactly the cached objects it could change.
+These files are part of the kernel-cache fingerprint (codegen/kernels.py), like every
+codegen/*.py: editing a formula re-keys the disk cache, so no stale object is ever loaded.
 """
