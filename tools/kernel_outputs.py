@@ -3,7 +3,8 @@
 Moving a formula into `fucina/kernel_templates/` must not change a single output bit. This
 script runs each kernel whose scalar formula is a template — the activations and their
 backward rules, the float arithmetic and its backward rules, the elementwise losses and their derivatives, the SGD, Adam/AdamW, Muon and
-APOLLO element maps, the i64 arithmetic (wrapping, the guarded divisions) —
+APOLLO element maps, the i64 arithmetic (wrapping, the guarded divisions), the masks (where, logical ops,
+compares, isnan/isinf/isfinite on every dtype) —
 over fixed inputs (lengths with and without a vector tail, f32 and 16-bit storage, special
 values: NaN, ±inf, ±0, subnormals, huge magnitudes) and records one digest per case.
 tests/test_kernel_templates.py recomputes the table and compares it with the committed JSON.
@@ -251,6 +252,41 @@ def _typed_cases(ctx, table):
             table[f"typed/{op}/bool/100"] = _digest(ew.run(ctx, op, "bool", (100,), ins).to_numpy())
 
 
+def _mask_cases(ctx, table):
+    from fucina.codegen.masks import COMPARE_OPS
+    from fucina.exec import elementwise as ew
+
+    n = 100
+
+    def operand(dtype, seed):
+        if dtype == "bool":
+            return ctx.from_numpy(np.random.default_rng(seed).random(n) < 0.5, (n,), "bool")
+        if dtype == "i64":
+            return ctx.from_numpy(int_inputs(n, seed) % 5 - 2, (n,), "i64")
+        x = inputs(n, seed, -2.0, 2.0)
+        x[x > 1.5] = 0.0   # zeros (and -0.0 from SPECIAL) for the truthiness
+        return ctx.from_numpy(x, (n,), dtype)
+
+    def run(name, op, out_dtype, dtypes):
+        ins = [operand(dt, 17 * j + len(name)) for j, dt in enumerate(dtypes)]
+        out = ew.run(ctx, op, out_dtype, (n,), ins)
+        table[f"mask/{name}/{'-'.join(dtypes)}"] = _digest(out.to_numpy())
+
+    for dts in (("bool", "f32", "f32"), ("f32", "f32", "f32"), ("i64", "f32", "f32"),
+                ("bool", "bf16", "bf16"), ("bool", "i64", "i64"), ("f32", "i64", "i64")):
+        run("where", "where", {"bf16": "bf16", "i64": "i64"}.get(dts[1], "f32"), dts)
+    for op in ("logical_and", "logical_or", "logical_xor"):
+        for dts in (("f32", "f32"), ("bool", "f32"), ("f32", "bool"), ("i64", "bool"),
+                    ("bool", "bool"), ("bf16", "i64")):
+            run(op, op, "bool", dts)
+    for op in ("logical_not", "isnan", "isinf", "isfinite"):
+        for dt in ("f32", "bf16", "i64", "bool"):
+            run(op, op, "bool", (dt,))
+    for op in COMPARE_OPS:
+        for dt in ("f32", "bf16", "i64", "bool"):
+            run("cmp_" + op, "cmp_" + op, "bool", (dt, dt))
+
+
 def compute() -> dict:
     """The table {case: sha256 of the output bytes}, at one thread."""
     import fucina as fu
@@ -265,6 +301,7 @@ def compute() -> dict:
             _optim_cases(ctx, table)
             _lowrank_cases(ctx, table)
             _typed_cases(ctx, table)
+            _mask_cases(ctx, table)
     finally:
         ctx.close()
     return dict(sorted(table.items()))
