@@ -26,8 +26,9 @@ is lowered, never evaluated by Python):
 Inputs, locals, constants and callees are resolved when a table is lowered, so a misspelt
 name fails at import with the template's name. Values are scalar or vector IR values alike: a
 template is lowered once per lane shape, and the scalar tail runs the same operations as a
-vector lane, so both give the same bits. A literal takes the type of the template's first
-input. The emitted operations are exactly the ones written, so moving a formula from Python
+vector lane, so both give the same bits. A literal takes the type of the operand it meets
+(the other side of an operator or a compare, the other branch of a select), else that of the
+template's first input (a call's argument, a select of two literals). The emitted operations are exactly the ones written, so moving a formula from Python
 builder calls into a template changes no output bit (tools/kernel_outputs.py proves it).
 """
 from __future__ import annotations
@@ -236,24 +237,24 @@ class _Lowering:
             op = type(node.op)
             if _num(x) and _num(y) and op in _FOLD:
                 return _FOLD[op](x, y)
-            x = u.const(ty, x) if _num(x) else x
-            y = u.const(ty, y) if _num(y) else y
+            x, y = _pair(x, y, ty)
             table = _INT_OP if _is_int(x) else _FLOAT_OP
             if op not in table:
                 raise TemplateError(f"{ast.unparse(node)!r}: no {op.__name__} on "
                                     f"{'integer' if _is_int(x) else 'float'} lanes")
             return getattr(b, table[op])(x, y)
         if isinstance(node, ast.Compare):
-            x = self._value(b, node.left, env, ty)
-            y = self._value(b, node.comparators[0], env, ty)
+            x, y = _pair(self._expr(b, node.left, env, ty),
+                         self._expr(b, node.comparators[0], env, ty), ty)
             pred = _CMP[type(node.ops[0])]
             if _is_int(x):
                 return b.icmp_signed(pred, x, y)
             return b.fcmp_unordered(pred, x, y) if pred == "!=" else b.fcmp_ordered(pred, x, y)
         if isinstance(node, ast.IfExp):
             c = self._value(b, node.test, env, ty)
-            return b.select(c, self._value(b, node.body, env, ty),
-                            self._value(b, node.orelse, env, ty))
+            x, y = _pair(self._expr(b, node.body, env, ty), self._expr(b, node.orelse, env, ty),
+                         ty)
+            return b.select(c, x, y)
         if isinstance(node, ast.Call):
             args = [self._value(b, a, env, ty) for a in node.args]
             fn = node.func.id
@@ -261,6 +262,16 @@ class _Lowering:
                 return PRIMITIVES[fn](b, *args)
             return self.emit(fn, b, args)
         raise TemplateError(f"{ast.unparse(node)!r} is not in the template language")
+
+
+def _pair(x, y, ty):
+    """Two operands as IR values: a number takes the other operand's type (a compare of a
+    bool byte with 0, a select of a float and 0), or the lane type `ty` when both are."""
+    if _num(x):
+        x = u.const(ty if _num(y) else y.type, x)
+    if _num(y):
+        y = u.const(x.type, y)
+    return x, y
 
 
 def _is_callee(root, name_node) -> bool:

@@ -11,6 +11,7 @@ loops, loads, stores and layouts; a template owns only the arithmetic of one ele
   losses.py        the elementwise losses (L-4) and their derivatives
   optim.py         the optimizer update rules (SGD, Adam/AdamW, Muon, APOLLO, HF AdamW)
   typed.py         the i64 arithmetic (wrapping; the guarded divisions and remainders)
+  masks.py         where, the logical ops, the compares (truthiness per lane type)
 
 These files are part of the kernel-cache fingerprint (codegen/kernels.py), like every
 codegen/*.py: editing a formula re-keys the disk cache, so no stale object is ever loaded.
