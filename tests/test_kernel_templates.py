@@ -29,7 +29,8 @@ def test_templates_are_plain_data():
 
     for path in Path(kt.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", "dataclasses"):
+            if isinstance(node, ast.ImportFrom) and node.module not in ("__future__",
+                                                                        "dataclasses"):
                 assert node.level == 1, f"{path.name}: imports {node.module}"
             assert not isinstance(node, ast.Import), f"{path.name}: imports {node.names[0].name}"
 

@@ -2,11 +2,11 @@
 
 Moving a formula into `fucina/kernel_templates/` must not change a single output bit. This
 script runs each kernel whose scalar formula is a template — the activations and their
-backward rules, the float arithmetic and its backward rules, the elementwise losses and their derivatives, the SGD, Adam/AdamW, Muon and
-APOLLO element maps, the i64 arithmetic (wrapping, the guarded divisions), the masks (where, logical ops,
-compares, isnan/isinf/isfinite on every dtype) —
-over fixed inputs (lengths with and without a vector tail, f32 and 16-bit storage, special
-values: NaN, ±inf, ±0, subnormals, huge magnitudes) and records one digest per case.
+backward rules, the float arithmetic and its backward rules, the elementwise losses and their
+derivatives, the SGD, Adam/AdamW, Muon and APOLLO element maps, the i64 arithmetic (wrapping,
+the guarded divisions), the masks (where, logical ops, compares, isnan/isinf/isfinite on every
+dtype) — over fixed inputs (lengths with and without a vector tail, f32 and 16-bit storage,
+special values: NaN, ±inf, ±0, subnormals, huge magnitudes) and records one digest per case.
 tests/test_kernel_templates.py recomputes the table and compares it with the committed JSON.
 
     python -m tools.kernel_outputs            # print the table

@@ -1,8 +1,9 @@
 """Activations with their backward rules (SPEC §3.3 UnaryOp, §3.4 leaky_relu/clamp, §3.6 gated).
 
 Every op is one fused forward kernel and, per operand that needs a gradient, one fused backward
-kernel (formulas: fucina/kernel_templates/activations.py, lowered by codegen/). A rule reads the forward input x or the forward output y, as
-SPEC's table says; only that tensor is kept by the node. f16/bf16 inputs run widen → f32 →
+kernel (formulas: fucina/kernel_templates/activations.py, lowered by codegen/). A rule reads
+the forward input x or the forward output y, as SPEC's table says; only that tensor is kept
+by the node. f16/bf16 inputs run widen → f32 →
 narrow once in the same kernel and are no-grad (finish_op raises UnsupportedGradient).
 """
 from __future__ import annotations

@@ -28,8 +28,9 @@ name fails at import with the template's name. Values are scalar or vector IR va
 template is lowered once per lane shape, and the scalar tail runs the same operations as a
 vector lane, so both give the same bits. A literal takes the type of the operand it meets
 (the other side of an operator or a compare, the other branch of a select), else that of the
-template's first input (a call's argument, a select of two literals). The emitted operations are exactly the ones written, so moving a formula from Python
-builder calls into a template changes no output bit (tools/kernel_outputs.py proves it).
+template's first input (a call's argument, a select of two literals). The emitted operations
+are exactly the ones written, so moving a formula from Python builder calls into a template
+changes no output bit (tools/kernel_outputs.py proves it).
 """
 from __future__ import annotations
 
@@ -173,7 +174,8 @@ class _Lowering:
         """No template reaches itself through its callees (inlining would not end)."""
         done = set() if done is None else done
         if name in path:
-            raise TemplateError(f"template {path[0]}: calls itself via {' -> '.join(path + (name,))}")
+            via = " -> ".join(path + (name,))
+            raise TemplateError(f"template {path[0]}: calls itself via {via}")
         if name in done:
             return
         stmts, result = _parse(self.table[name].body)
@@ -188,7 +190,8 @@ class _Lowering:
             if isinstance(n, ast.Call):
                 fn = n.func.id if isinstance(n.func, ast.Name) else None
                 if fn not in PRIMITIVES and fn not in self.table:
-                    raise TemplateError(f"template {name}: unknown function {ast.unparse(n.func)!r}")
+                    raise TemplateError(f"template {name}: unknown function "
+                                        f"{ast.unparse(n.func)!r}")
                 if fn not in PRIMITIVES and len(n.args) != self.table[fn].arity:
                     raise TemplateError(f"template {name}: {fn} expects {self.table[fn].arity} "
                                         f"arguments, got {len(n.args)}")

@@ -12,12 +12,12 @@ layer, never by the thread count); chunk c writes its partial to partials[c]:
   of a widened f32 is exact in f64, so a fused multiply-add would give the same bits.
 
 Updates (the arithmetic of each rule is a template in fucina/kernel_templates/optim.py; the
-kernels here own the loads, stores and the choice of rules). One pass over the elements [c0·chunk, min(c1·chunk, n)): read the param (or its f32
-master), the gradient and the state; write the state (narrowed to its dtype, SPEC R-9) and the
-param — for a 16-bit param the master and its narrowing into the param storage. Every element is
-independent, so any chunking gives the same bits. Element maps are f32 in SPEC order (separate
-multiplies and adds: no contraction); the state value used within an element's update is the
-pre-narrow f32 one (T-3). Adam with a bf16 moment also prefetches its streams in software.
+kernels here own the loads, stores and the choice of rules). One pass over the elements
+[c0·chunk, min(c1·chunk, n)): read the param (or its f32 master), the gradient and the state;
+write the state (narrowed to its dtype, SPEC R-9) and the param — for a 16-bit param the master
+and its narrowing into the param storage. Every element is independent, so any chunking gives
+the same bits. Element maps are f32 in SPEC order (separate multiplies and adds: no
+contraction); the state value used within an element's update is the pre-narrow f32 one (T-3). Adam with a bf16 moment also prefetches its streams in software.
 
   SGD (T-4):   g = grad [+ wd·p];  buf = g (first step) | momentum·buf + (1−dampening)·g;
                g = g + momentum·buf (nesterov) | buf;  p = p − lr·g

@@ -90,7 +90,8 @@ class MuonMomentumKey(KernelKey):
         u.store(b, m1, m_ptr, c, self.state, mask)
         out = m1
         if self.nesterov:
-            out = RULES["muon_nesterov_" + ("small" if self.n_small else "large")](b, m1, g, w, beta)
+            blend = RULES["muon_nesterov_" + ("small" if self.n_small else "large")]
+            out = blend(b, m1, g, w, beta)
         u.store(b, out, u_ptr, c, "f32", mask)
 
 
