@@ -54,6 +54,7 @@ EXACT = {
     "round": _round32,
     "sign": lambda x: np.where(x > 0, f32(1), np.where(x < 0, f32(-1), x)),
     "reciprocal": lambda x: f32(1) / x,
+    "hardswish": lambda x: x * np.minimum(np.maximum(x + f32(3), f32(0)), f32(6)) / f32(6),
 }
 
 # float64 references: the float32 algebraic prefix that feeds a transcendental is formed in
@@ -102,7 +103,7 @@ def ref64(op, x):
 
 
 # max error in float32 ulps vs ref64, measured (docs: the module docstring of
-# fucina/codegen/activations.py); gelu_erf adds |x|·2^-25 absolute for x < -1 (see its test)
+# fucina/kernel_templates/activations.py); gelu_erf adds |x|·2^-25 absolute for x < -1 (see its test)
 BOUND = {"exp": 1.1, "sigmoid": 1.6, "silu": 2.0, "log": 1.0, "log1p": 1.0, "softplus": 1.9,
          "sin": 1.7, "cos": 1.9, "tanh": 1.4, "gelu": 2.0, "quick_gelu": 2.0, "softcap_30": 1.8,
          "softcap_15": 1.8, "elu": 1.5, "gelu_erf": 2.0, "erf": 1.1}
@@ -133,7 +134,7 @@ def test_acceptance(ctx):
 
 
 def test_every_member_and_alias_exists(ctx1):
-    assert len(UNARY) == 28 and len(set(UNARY)) == 28
+    assert len(UNARY) == 29 and len(set(UNARY)) == 29
     x = ctx1.tensor([0.25, -0.5], ("n",))
     aliases = {"softcap_30": "softcap30", "softcap_15": "softcap15"}
     for op in UNARY:
@@ -238,7 +239,7 @@ def test_denormal_results_are_accurate(ctx1):
 
 def test_sigmoid_silu_scaled_tail_and_saturation(ctx1):
     """sigmoid and silu carry e^-|x| times 2^31 with |x| clamped at 109.6 (see
-    codegen/activations.py): every float32 in [-112, -80] (normal, denormal and underflowing
+    codegen/vsigmoid.py): every float32 in [-112, -80] (normal, denormal and underflowing
     results, the clamp) is within the bound; above 17.4 sigmoid is 1 and silu is x itself, up
     to FLT_MAX (silu's numerator clamp at 2^90 included); below -109.2 both are zero."""
     x = -np.arange(f32(80).view(np.uint32), f32(112).view(np.uint32), dtype=np.uint32).view(f32)
@@ -294,6 +295,7 @@ TORCH = {
     "gelu_quant": lambda t: F.gelu(t, approximate="tanh"),   # its backward is tanh-gelu's
     "elu": F.elu, "gelu_erf": F.gelu, "floor": torch.floor, "ceil": torch.ceil,
     "round": torch.round, "sign": torch.sign, "reciprocal": torch.reciprocal, "erf": torch.erf,
+    "hardswish": F.hardswish,
 }
 POSITIVE = {"sqrt", "rsqrt", "log", "log1p"}
 
@@ -328,6 +330,23 @@ def test_unary_gradient_against_torch_and_fd(ctx1, op):
     small = ctx1.variable(a_np[:6], ("n",))
     ws = ctx1.tensor(w_np[:6], ("n",))
     assert fu.gradcheck(lambda v: (v.unary(op) * ws).sum_all(), [small]).checked == 6
+
+
+def test_hardswish_is_torchs_bit_for_bit(ctx1):
+    """The one-template activation: forward and backward bitwise torch's (x·t/6 with a true
+    division; the derivative 0 up to -3 inclusive, g from 3, else g·(x/3 + 1/2), so NaN at
+    NaN as torch's vectorized path gives — its scalar tail gives g there)."""
+    x_np = np.concatenate([(RNG.standard_normal(20000) * 4).astype(f32), EDGE,
+                           np.array([-3, 3, 2.9999998, -2.9999998, -3.0000002], f32)])
+    g_np = RNG.standard_normal(x_np.size).astype(f32)
+    x = ctx1.variable(x_np, ("n",))
+    y = x.hardswish()
+    (y * ctx1.tensor(g_np, ("n",))).sum_all().backward()
+    tx = torch.from_numpy(x_np.copy()).requires_grad_()
+    ty = F.hardswish(tx)
+    ty.backward(torch.from_numpy(g_np))
+    assert_bitwise(y.numpy(), ty.detach().numpy())
+    assert_bitwise(x.grad().numpy(), tx.grad.numpy())
 
 
 def test_gradients_at_kinks_and_zero_derivatives(ctx1):

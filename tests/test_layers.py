@@ -6,8 +6,9 @@ import fucina
 
 ROOT = Path(fucina.__file__).parent
 # lower number = lower layer; errors.py and files.py are shared by all
-LAYERS = {"errors": -1, "files": -1, "runtime": 0, "codegen": 1, "exec": 2, "axes": 3, "ag": 4,
-          "optim": 5, "io": 5, "gguf": 5, "es": 5, "es_ternary": 5, "lora": 5, "rng": 5,
+LAYERS = {"errors": -1, "files": -1, "runtime": 0, "codegen": 1, "kernel_templates": 1,
+          "exec": 2, "axes": 3, "ag": 4, "optim": 5, "io": 5, "gguf": 5, "es": 5,
+          "es_ternary": 5, "lora": 5, "rng": 5,
           "llm": 6, "dist": 6, "cli": 7, "__main__": 7}
 
 

@@ -28,7 +28,8 @@ def test_the_wheel_holds_the_applications_and_the_script(wheel):
     for must in ("fucina/cli/__init__.py", "fucina/cli/finetune.py", "fucina/cli/export.py",
                  "fucina/cli/chat.py", "fucina/cli/info.py", "fucina/cli/prewarm.py",
                  "fucina/cli/es_finetune.py", "fucina/cli/manifests/tests.jsonl",
-                 "fucina/__main__.py", "fucina/runtime/_rt.c"):
+                 "fucina/__main__.py", "fucina/runtime/_rt.c",
+                 "fucina/kernel_templates/activations.py", "fucina/codegen/lowering.py"):
         assert must in names, must
     assert any(n.startswith("fucina/runtime/_rt") and n.endswith(".so") for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))

@@ -1,8 +1,9 @@
 """Activations with their backward rules (SPEC §3.3 UnaryOp, §3.4 leaky_relu/clamp, §3.6 gated).
 
 Every op is one fused forward kernel and, per operand that needs a gradient, one fused backward
-kernel (codegen/activations.py). A rule reads the forward input x or the forward output y, as
-SPEC's table says; only that tensor is kept by the node. f16/bf16 inputs run widen → f32 →
+kernel (formulas: fucina/kernel_templates/activations.py, lowered by codegen/). A rule reads
+the forward input x or the forward output y, as SPEC's table says; only that tensor is kept
+by the node. f16/bf16 inputs run widen → f32 →
 narrow once in the same kernel and are no-grad (finish_op raises UnsupportedGradient).
 """
 from __future__ import annotations
@@ -10,32 +11,19 @@ from __future__ import annotations
 from .. import axes
 from ..errors import DTypeError, InvalidShape, UnsupportedGradient
 from ..exec import elementwise as ew
+from ..kernel_templates.activations import UNARY_RULES
 from . import engine
 from .checks import real, same_ctx
 from .elementwise import aligned, unbroadcast
 from .engine import finish_op
 
-# the closed UnaryOp enum, in SPEC §3.3 order
-UNARY = ("relu", "exp", "sqrt", "rsqrt", "sigmoid", "silu", "log", "log1p", "softplus", "neg",
-         "abs", "sin", "cos", "tanh", "fast_tanh", "gelu", "quick_gelu", "softcap_30",
-         "softcap_15", "gelu_quant", "elu", "gelu_erf", "floor", "ceil", "round", "sign",
-         "reciprocal", "erf")
+# the closed UnaryOp enum, in SPEC §3.3 order (then hardswish)
 _SPELLINGS = {"softcap30": "softcap_30", "softcap15": "softcap_15"}  # the method aliases' names
 
 # op -> (backward kernel, what it reads: "x" the input, "y" the output, None only g);
-# None = derivative 0 almost everywhere (the gradient is zeros)
-_UNARY_GRAD = {
-    "relu": ("relu_grad", "x"), "exp": ("mul", "y"), "sqrt": ("sqrt_grad", "y"),
-    "rsqrt": ("rsqrt_grad", "x"), "sigmoid": ("sigmoid_grad", "y"), "silu": ("silu_grad", "x"),
-    "log": ("div", "x"), "log1p": ("log1p_grad", "x"), "softplus": ("softplus_grad", "x"),
-    "neg": ("neg", None), "abs": ("abs_grad", "x"), "sin": ("sin_grad", "x"),
-    "cos": ("cos_grad", "x"), "tanh": ("tanh_grad", "y"), "fast_tanh": ("fast_tanh_grad", "x"),
-    "gelu": ("gelu_grad", "x"), "quick_gelu": ("quick_gelu_grad", "x"),
-    "softcap_30": ("softcap_30_grad", "x"), "softcap_15": ("softcap_15_grad", "y"),
-    "gelu_quant": ("gelu_grad", "x"), "elu": ("elu_grad", "x"),
-    "gelu_erf": ("gelu_erf_grad", "x"), "floor": None, "ceil": None, "round": None, "sign": None,
-    "reciprocal": ("reciprocal_grad", "y"), "erf": ("erf_grad", "x"),
-}
+# None = derivative 0 almost everywhere (the gradient is zeros). Written beside the formulas.
+_UNARY_GRAD = UNARY_RULES
+UNARY = tuple(UNARY_RULES)
 
 GATED = ("glu", "swiglu", "geglu", "situ")
 SPLIT_GATED = ("swiglu", "glu")
@@ -271,6 +259,10 @@ class ActivationMethods:
 
     def erf(self):
         return self.unary("erf")
+
+    def hardswish(self):
+        """x·min(max(x + 3, 0), 6)/6 (MobileNetV3's, torch.nn.functional.hardswish)."""
+        return self.unary("hardswish")
 
     # ---- parameterized (SPEC §3.4) ----
     def leaky_relu(self, negative_slope: float):

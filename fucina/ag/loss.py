@@ -176,53 +176,15 @@ def _contig(shape):
 BCE_EPS = 1e-7
 
 
-def _c(v: float) -> str:
-    """A '#hhhhhhhh' float32 constant ref."""
-    return "#%08x" % int(np.array(v, np.float32).view(np.uint32))
-
-
-_Z, _HALF, _ONE = _c(0.0), _c(0.5), _c(1.0)
-_E = "elemental:"
-# inputs x, t
-MSE_FWD = _E + "v1 i2 p0;%0=sub i0 i1;%1=mul %0 %0;ret %1"
-# inputs g, x, t; p0 scale: 2·s·g·(x − t) (and its negation for t)
-MSE_DX = _E + "v1 i3 p1;%0=sub i1 i2;%1=mul i0 p0;%2=mul %1 " + _c(2.0) + ";%3=mul %2 %0;ret %3"
-MSE_DT = _E + "v1 i3 p1;%0=sub i2 i1;%1=mul i0 p0;%2=mul %1 " + _c(2.0) + ";%3=mul %2 %0;ret %3"
-# inputs x, t; p0 δ
-HUBER_FWD = (_E + "v1 i2 p1;%0=sub i0 i1;%1=abs %0;%2=le %1 p0;%3=mul %0 %0;%4=mul %3 " + _HALF
-             + ";%5=mul p0 " + _HALF + ";%6=sub %1 %5;%7=mul p0 %6;%8=where %2 %4 %7;ret %8")
-# inputs g, x, t; p0 scale, p1 δ: s·g·clamp(x − t, −δ, δ) (negated for t)
-HUBER_DX = (_E + "v1 i3 p2;%0=sub i1 i2;%1=neg p1;%2=max %0 %1;%3=min %2 p1;%4=mul i0 p0;"
-            "%5=mul %4 %3;ret %5")
-HUBER_DT = (_E + "v1 i3 p2;%0=sub i2 i1;%1=neg p1;%2=max %0 %1;%3=min %2 p1;%4=mul i0 p0;"
-            "%5=mul %4 %3;ret %5")
-# logits: inputs x, y: max(x,0) − x·y + log1p(e^−|x|)
-BCEL_FWD = (_E + "v1 i2 p0;%0=max i0 " + _Z + ";%1=mul i0 i1;%2=sub %0 %1;%3=abs i0;%4=neg %3;"
-            "%5=exp %4;%6=log1p %5;%7=add %2 %6;ret %7")
-BCEL_DX = _E + "v1 i3 p1;%0=sigmoid i1;%1=sub %0 i2;%2=mul i0 p0;%3=mul %2 %1;ret %3"
-BCEL_DT = _E + "v1 i3 p1;%0=neg i1;%1=mul i0 p0;%2=mul %1 %0;ret %2"
-# probabilities: inputs x, y; p0 eps, p1 1 − eps; p = clamp(x, eps, 1 − eps)
-BCEP_FWD = (_E + "v1 i2 p2;%0=max i0 p0;%1=min %0 p1;%2=log %1;%3=sub " + _ONE + " %1;%4=log %3;"
-            "%5=mul i1 %2;%6=sub " + _ONE + " i1;%7=mul %6 %4;%8=add %5 %7;%9=neg %8;ret %9")
-# inputs g, x, y; p0 scale, p1 eps, p2 1 − eps: (p − y)/(p(1 − p)) inside (eps, 1 − eps), else 0
-BCEP_DX = (_E + "v1 i3 p3;%0=max i1 p1;%1=min %0 p2;%2=sub %1 i2;%3=sub " + _ONE + " %1;"
-           "%4=mul %1 %3;%5=div %2 %4;%6=mul i0 p0;%7=mul %6 %5;%8=gt i1 p1;%9=lt i1 p2;"
-           "%10=and %8 %9;%11=where %10 %7 " + _Z + ";ret %11")
-# target: ln(1 − p) − ln p
-BCEP_DT = (_E + "v1 i3 p3;%0=max i1 p1;%1=min %0 p2;%2=sub " + _ONE + " %1;%3=log %2;%4=log %1;"
-           "%5=sub %3 %4;%6=mul i0 p0;%7=mul %6 %5;ret %7")
-# kl: inputs x (log-probs), t: t > 0 ? t·(ln t − x) : 0
-KL_FWD = (_E + "v1 i2 p0;%0=log i1;%1=sub %0 i0;%2=mul i1 %1;%3=gt i1 " + _Z + ";"
-          "%4=where %3 %2 " + _Z + ";ret %4")
-KL_DX = _E + "v1 i3 p1;%0=mul i0 p0;%1=mul %0 i2;%2=neg %1;ret %2"
-# target: t > 0 ? ln t − x + 1 : 0
-KL_DT = (_E + "v1 i3 p1;%0=log i2;%1=sub %0 i1;%2=add %1 " + _ONE + ";%3=mul i0 p0;%4=mul %3 %2;"
-         "%5=gt i2 " + _Z + ";%6=where %5 %4 " + _Z + ";ret %6")
-# log_target: e^t·(t − x)
-KLL_FWD = _E + "v1 i2 p0;%0=exp i1;%1=sub i1 i0;%2=mul %0 %1;ret %2"
-KLL_DX = _E + "v1 i3 p1;%0=exp i2;%1=mul i0 p0;%2=mul %1 %0;%3=neg %2;ret %3"
-KLL_DT = (_E + "v1 i3 p1;%0=exp i2;%1=sub i2 i1;%2=add %1 " + _ONE + ";%3=mul %0 %2;"
-          "%4=mul i0 p0;%5=mul %4 %3;ret %5")
+# L-4 kernels by name: forward, input derivative, target derivative (the formulas are in
+# fucina/kernel_templates/losses.py)
+MSE_FWD, MSE_DX, MSE_DT = "mse_loss", "mse_loss_dx", "mse_loss_dt"
+HUBER_FWD, HUBER_DX, HUBER_DT = "huber_loss", "huber_loss_dx", "huber_loss_dt"
+BCEL_FWD, BCEL_DX, BCEL_DT = "bce_logits_loss", "bce_logits_loss_dx", "bce_logits_loss_dt"
+BCEP_FWD, BCEP_DX, BCEP_DT = "bce_probs_loss", "bce_probs_loss_dx", "bce_probs_loss_dt"
+KL_FWD, KL_DX, KL_DT = "kl_div_loss", "kl_div_loss_dx", "kl_div_loss_dt"
+KLL_FWD, KLL_DX, KLL_DT = ("kl_div_log_target_loss", "kl_div_log_target_loss_dx",
+                           "kl_div_log_target_loss_dt")
 
 
 def _reduction(name: str, reduction) -> str:
@@ -329,8 +291,8 @@ class LossMethods:
     linear_cross_entropy_ext = linear_cross_entropy
 
     # L-4 elementwise losses: one fused forward kernel per loss and one fused derivative kernel
-    # per operand, written as elemental expression texts (codegen/elemental.py's grammar); the
-    # derivative kernels read (g, x, t) and a scale parameter p0 (1/n for mean, else 1).
+    # per operand (templates in fucina/kernel_templates/losses.py); the derivative kernels read
+    # (g, x, t) and a scale parameter (1/n for mean, else 1).
     def mse_loss(self, target, reduction: str = "mean"):
         """(x − t)² per element; grads to both operands."""
         return self._result(*pointwise_loss("mse_loss", self, target, reduction,

@@ -38,63 +38,18 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from . import activations, masks, typed
+from ..kernel_templates import arithmetic as _arith
+from . import activations, loss, masks, typed
 from . import irutil as u
-from .emit import nan_max, nan_min
-from .vpow import pow as _pow
 from .kernels import KernelKey, register
+from .lowering import lower_table
 from .target import host
 
 
-def _pick(b, g, idx, pos):
-    """g where idx == pos else 0: routes a reduction's gradient to the chosen element."""
-    return b.select(b.icmp_signed("==", idx, pos), g, u.const(g.type, 0.0))
+ARITHMETIC = lower_table(_arith.TEMPLATES, _arith.CONSTANTS, _arith.KERNELS)
 
-
-def _tie_grad(cmp):
-    """Gradient of maximum/minimum to the first operand: g if it wins, g/2 on an exact tie."""
-    def emit(b, g, x, y):
-        zero = u.const(g.type, 0.0)
-        half = b.fmul(g, u.const(g.type, 0.5))
-        return b.select(b.fcmp_ordered(cmp, x, y), g, b.select(b.fcmp_ordered("==", x, y), half, zero))
-    return emit
-
-
-def _pow_grad_base(b, g, x, e):
-    """g * e * x^(e-1)"""
-    return b.fmul(g, b.fmul(e, _pow(b, x, b.fsub(e, u.const(e.type, 1.0)))))
-
-
-def _pow_grad_exp(b, g, x, y):
-    """g * ln(x) * y, with 0 where x == 0 (torch's convention; the true limit for e >= 0)."""
-    from . import vmath
-
-    d = b.fmul(g, b.fmul(vmath.log(b, x), y))
-    return b.select(b.fcmp_ordered("==", x, u.const(x.type, 0.0)), u.const(x.type, 0.0), d)
-
-
-ARITHMETIC = {
-    "copy": (1, lambda b, x: x),
-    "neg": (1, lambda b, x: b.fneg(x)),
-    "add": (2, lambda b, x, y: b.fadd(x, y)),
-    "sub": (2, lambda b, x, y: b.fsub(x, y)),
-    "mul": (2, lambda b, x, y: b.fmul(x, y)),
-    "div": (2, lambda b, x, y: b.fdiv(x, y)),
-    "maximum": (2, nan_max),
-    "minimum": (2, nan_min),
-    "pow": (2, _pow),
-    "add_scaled": (3, lambda b, x, y, a: b.fadd(x, b.fmul(a, y))),  # x + a*y (R-7)
-    # backward rules (g first)
-    "div_grad_b": (3, lambda b, g, x, y: b.fneg(b.fdiv(b.fmul(g, x), b.fmul(y, y)))),
-    "maximum_grad": (3, _tie_grad(">")),
-    "minimum_grad": (3, _tie_grad("<")),
-    "pow_grad_base": (3, _pow_grad_base),
-    "pow_grad_exp": (3, _pow_grad_exp),
-    "pick": (3, _pick),
-}
-
-# every float op: arithmetic here, activations and masks in their own modules
-FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **masks.OPS, **typed.CASTS}
+# every float op: arithmetic, activations, losses (formulas in fucina/kernel_templates/) and masks
+FLOAT_OPS = {**ARITHMETIC, **activations.OPS, **loss.OPS, **masks.OPS, **typed.CASTS}
 
 INT_OPS = typed.OPS  # i64 and bool arithmetic lives in codegen/typed.py
 

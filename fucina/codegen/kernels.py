@@ -19,6 +19,9 @@ from typing import ClassVar
 from . import cache
 
 CODEGEN_VERSION = 1
+"""Bumped only when what a cache entry holds changes (its format, or a generator input that is
+not a source file). Editing a generator or a formula needs no bump: the fingerprint hashes
+every codegen/*.py and kernel_templates/*.py, so each edit gets fresh keys."""
 FAMILIES: dict[str, type] = {}
 
 
@@ -86,7 +89,7 @@ def fingerprint() -> bytes:
         t = host()
         h.update(f"{CODEGEN_VERSION}|{llvmlite.__version__}|{t.triple}|{t.cpu}|{t.features}".encode())
         here = Path(__file__).parent
-        sources = sorted(here.glob("*.py")) + sorted((here.parent / "kernel_templates").glob("*"))
+        sources = sorted(here.glob("*.py")) + sorted((here.parent / "kernel_templates").glob("*.py"))
         for p in sources:
             h.update(p.name.encode())
             h.update(p.read_bytes())

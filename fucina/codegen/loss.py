@@ -1,4 +1,7 @@
-"""Cross-entropy kernels (SPEC L-1): a fused log-softmax + NLL forward that saves per-row
+"""Loss kernels. The elementwise losses (SPEC L-4) and their derivatives are the op table OPS,
+lowered from fucina/kernel_templates/losses.py for the elementwise generator.
+
+Cross-entropy kernels (SPEC L-1): a fused log-softmax + NLL forward that saves per-row
 {max, sum of exp} so the backward is one pass over the logits.
 
 Rows are [R, K] with the class axis contiguous. Labels are i64 with -1 for an ignored row.
@@ -13,11 +16,16 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from ..kernel_templates import losses as _t
 from . import irutil as u
 from . import vmath
+from .lowering import lower_table
 from .kernels import KernelKey, register
 from .rows import accs_of, map_pass, row_max_sum
 from .target import host
+
+OPS = lower_table(_t.TEMPLATES, _t.CONSTANTS, _t.KERNELS)
+
 
 @register
 @dataclass(frozen=True)

@@ -1,13 +1,12 @@
 """Mask and conditional emitters and kernels (SPEC §3.7).
 
 A bool operand is stored as one byte (0 or 1) and read by truthiness; comparisons produce i1
-values that the store widens to a byte. Every emitter here is written for any operand type —
-f32 (16-bit floats arrive widened), i64 or a bool byte, scalar or vector — so the one table
-serves the float domain and the integer/bool domain of the elementwise generator alike:
-
-  truthiness   an integer or bool byte is true iff != 0; a float iff != 0, NaN included
-  compare      floats: IEEE ordered predicates (NaN compares false), `ne` unordered (NaN
-               compares true); integers and bool bytes: signed, exact
+values that the store widens to a byte. The op table OPS (where, logical ops, compares,
+isnan) is lowered from fucina/kernel_templates/masks.py, which says the truthiness and
+compare semantics per lane type; isinf and isfinite are written here (a float test, constant
+on integer lanes). Every emitter serves any operand type — f32 (16-bit floats arrive
+widened), i64 or a bool byte, scalar or vector — so the one table serves the float domain and
+the integer/bool domain of the elementwise generator alike.
 
 Two small kernel families live here too: `mask_reduce` (any/all over one axis, a truthiness
 OR/AND — exact, so any grid gives the same bits) and `band_mask` (the two-axis iota compare
@@ -19,11 +18,12 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from ..kernel_templates import masks as _t
 from . import irutil as u
 from .kernels import KernelKey, register
+from .lowering import lower_table
 
 COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
-_PRED = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
 
 def _elem(v):
@@ -40,38 +40,8 @@ def _i1_like(v, value: bool):
     return u.const(ty, int(value))
 
 
-def _truthy(b, c):
-    """A condition operand as i1: nonzero integers/bytes, or floats != 0 (NaN is truthy)."""
-    if _is_int(c):
-        return b.icmp_unsigned("!=", c, u.const(c.type, 0))
-    return b.fcmp_unordered("!=", c, u.const(c.type, 0.0))
-
-
-def _falsy(b, c):
-    """not truthy: integers == 0, floats == 0 (ordered, so NaN is not falsy)."""
-    if _is_int(c):
-        return b.icmp_unsigned("==", c, u.const(c.type, 0))
-    return b.fcmp_ordered("==", c, u.const(c.type, 0.0))
-
-
-def _compare(op: str):
-    pred = _PRED[op]
-
-    def emit(b, x, y):
-        if _is_int(x):
-            return b.icmp_signed(pred, x, y)
-        if op == "ne":
-            return b.fcmp_unordered(pred, x, y)
-        return b.fcmp_ordered(pred, x, y)
-    return emit
-
-
 def _abs(b, x):
     return u.intrinsic(b, "llvm.fabs", x.type, [x])
-
-
-def _isnan(b, x):
-    return _i1_like(x, False) if _is_int(x) else b.fcmp_unordered("uno", x, x)
 
 
 def _isinf(b, x):
@@ -82,17 +52,12 @@ def _isfinite(b, x):
     return _i1_like(x, True) if _is_int(x) else b.fcmp_ordered("<", _abs(b, x), u.const(x.type, float("inf")))
 
 
+_truthy = lower_table(_t.TEMPLATES, _t.CONSTANTS, ["_truthy"])["_truthy"][1]
+
 OPS = {
-    # where(cond, x, y) = cond ? x : y   (masked_fill(mask, v) is where(mask, v, self))
-    "where": (3, lambda b, c, x, y: b.select(_truthy(b, c), x, y)),
-    "logical_not": (1, _falsy),
-    "logical_and": (2, lambda b, x, y: b.and_(_truthy(b, x), _truthy(b, y))),
-    "logical_or": (2, lambda b, x, y: b.or_(_truthy(b, x), _truthy(b, y))),
-    "logical_xor": (2, lambda b, x, y: b.xor(_truthy(b, x), _truthy(b, y))),
-    "isnan": (1, _isnan),
+    **lower_table(_t.TEMPLATES, _t.CONSTANTS, _t.KERNELS),
     "isinf": (1, _isinf),
     "isfinite": (1, _isfinite),
-    **{"cmp_" + op: (2, _compare(op)) for op in COMPARE_OPS},
 }
 
 

@@ -11,12 +11,13 @@ layer, never by the thread count); chunk c writes its partial to partials[c]:
   in chunk order into one f64 per tensor, then the tensors' totals serially in order. The square
   of a widened f32 is exact in f64, so a fused multiply-add would give the same bits.
 
-Updates. One pass over the elements [c0·chunk, min(c1·chunk, n)): read the param (or its f32
-master), the gradient and the state; write the state (narrowed to its dtype, SPEC R-9) and the
-param — for a 16-bit param the master and its narrowing into the param storage. Every element is
-independent, so any chunking gives the same bits. Element maps are f32 in SPEC order (separate
-multiplies and adds: no contraction); the state value used within an element's update is the
-pre-narrow f32 one (T-3). Adam with a bf16 moment also prefetches its streams in software.
+Updates (the arithmetic of each rule is a template in fucina/kernel_templates/optim.py; the
+kernels here own the loads, stores and the choice of rules). One pass over the elements
+[c0·chunk, min(c1·chunk, n)): read the param (or its f32 master), the gradient and the state;
+write the state (narrowed to its dtype, SPEC R-9) and the param — for a 16-bit param the master
+and its narrowing into the param storage. Every element is independent, so any chunking gives
+the same bits. Element maps are f32 in SPEC order (separate multiplies and adds: no
+contraction); the state value used within an element's update is the pre-narrow f32 one (T-3). Adam with a bf16 moment also prefetches its streams in software.
 
   SGD (T-4):   g = grad [+ wd·p];  buf = g (first step) | momentum·buf + (1−dampening)·g;
                g = g + momentum·buf (nesterov) | buf;  p = p − lr·g
@@ -36,9 +37,10 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from ..kernel_templates import optim as _t
 from . import irutil as u
-from .emit import sqrt
 from .kernels import KernelKey, register
+from .lowering import lower_table
 from .rows import chunk_pass
 from .target import host
 
@@ -46,6 +48,8 @@ F64 = ir.DoubleType()
 D4 = ir.VectorType(F64, 4)
 D8 = ir.VectorType(F64, 8)
 PARAM_DTYPES = ("f32", "f16", "bf16")
+RULES = {name: emit for name, (_, emit) in lower_table(_t.TEMPLATES, _t.CONSTANTS).items()}
+"""The update rules of fucina/kernel_templates/optim.py: name -> emit(builder, *values)."""
 STATE_DTYPES = ("f32", "bf16")
 
 
@@ -195,15 +199,15 @@ class SgdKey(KernelKey):
         p = par.load(c, W, m)
         g = u.load(b, g_ptr, c, "f32", W, m)
         if self.decay:
-            g = b.fadd(g, b.fmul(wd, p))
+            g = RULES["l2_decay"](b, g, p, wd)
         if self.state != "none":
             if self.first:
                 nb = g
             else:
-                nb = b.fadd(b.fmul(mom, u.load(b, buf, c, self.state, W, m)), b.fmul(omd, g))
+                nb = RULES["sgd_momentum"](b, u.load(b, buf, c, self.state, W, m), g, mom, omd)
             u.store(b, nb, buf, c, self.state, m)
-            g = b.fadd(g, b.fmul(mom, nb)) if self.nesterov else nb
-        par.store(b.fsub(p, b.fmul(lr, g)), c, m)
+            g = RULES["sgd_nesterov"](b, g, nb, mom) if self.nesterov else nb
+        par.store(RULES["sgd_step"](b, p, g, lr), c, m)
 
 
 @register
@@ -237,14 +241,13 @@ class AdamKey(KernelKey):
         d = p
         if self.decay:
             if self.decoupled:
-                d = b.fmul(p, keep)
+                d = RULES["adamw_decay"](b, p, keep)
             else:
-                g = b.fadd(g, b.fmul(wd, p))
+                g = RULES["l2_decay"](b, g, p, wd)
         m0 = u.load(b, m_ptr, c, self.m, W, mask)
         v0 = u.load(b, v_ptr, c, self.v, W, mask)
-        m1 = b.fadd(m0, b.fmul(omb1, b.fsub(g, m0)))
-        v1 = b.fadd(b.fmul(beta2, v0), b.fmul(b.fmul(omb2, g), g))
+        m1 = RULES["adam_m"](b, m0, g, omb1)
+        v1 = RULES["ema_sq"](b, v0, g, beta2, omb2)
         u.store(b, m1, m_ptr, c, self.m, mask)
         u.store(b, v1, v_ptr, c, self.v, mask)
-        denom = b.fadd(b.fdiv(sqrt(b, v1), bc2s), eps)
-        par.store(b.fsub(d, b.fmul(step_size, b.fdiv(m1, denom))), c, mask)
+        par.store(RULES["adam_step"](b, d, m1, v1, eps, bc2s, step_size), c, mask)

@@ -2,7 +2,8 @@
 Newton–Schulz linear combination, and APOLLO's moments + scaling factors, scaled update, apply
 and its legacy-HF AdamW fallback.
 
-Element maps (every element independent, f32 in SPEC order, separate multiplies and adds: no
+Element maps (the arithmetic of each is a rule in fucina/kernel_templates/optim.py; every
+element independent, f32 in SPEC order, separate multiplies and adds: no
 contraction, so any chunking gives the same bits) reuse the frame of codegen/optim.py: pointer
 arguments, n, chunk, f32 scalars as bits; a 16-bit param steps its f32 master and is narrowed
 back in the same pass.
@@ -51,7 +52,7 @@ from llvmlite import ir
 from . import irutil as u
 from .emit import sqrt
 from .kernels import KernelKey, register
-from .optim import _Param, _update_kernel
+from .optim import RULES, _Param, _update_kernel
 from .rows import map_pass
 from .target import host
 
@@ -85,17 +86,12 @@ class MuonMomentumKey(KernelKey):
         w, beta = scalars
         g = u.load(b, g_ptr, c, "f32", W, mask)
         m0 = u.load(b, m_ptr, c, self.state, W, mask)
-        if self.m_small:
-            m1 = b.fadd(m0, b.fmul(w, b.fsub(g, m0)))
-        else:
-            m1 = b.fsub(g, b.fmul(b.fsub(g, m0), beta))
+        m1 = RULES["muon_momentum_" + ("small" if self.m_small else "large")](b, m0, g, w, beta)
         u.store(b, m1, m_ptr, c, self.state, mask)
         out = m1
         if self.nesterov:
-            if self.n_small:
-                out = b.fadd(g, b.fmul(beta, b.fsub(m1, g)))
-            else:
-                out = b.fsub(m1, b.fmul(b.fsub(m1, g), w))
+            blend = RULES["muon_nesterov_" + ("small" if self.n_small else "large")]
+            out = blend(b, m1, g, w, beta)
         u.store(b, out, u_ptr, c, "f32", mask)
 
 
@@ -115,7 +111,7 @@ class MuonApplyKey(KernelKey):
         keep, lr_eff = scalars
         par = _Param(b, self.param, p_ptr, master)
         o = u.load(b, o_ptr, c, "f32", W, mask)
-        par.store(b.fsub(b.fmul(par.load(c, W, mask), keep), b.fmul(lr_eff, o)), c, mask)
+        par.store(RULES["muon_apply"](b, par.load(c, W, mask), o, keep, lr_eff), c, mask)
 
 
 @register
@@ -133,13 +129,13 @@ class AxpbyKey(KernelKey):
         s, t = scalars
         xv = u.load(b, x, c, "f32", W, mask)
         yv = u.load(b, y, c, "f32", W, mask)
-        u.store(b, b.fadd(b.fmul(s, xv), b.fmul(t, yv)), out, c, "f32", mask)
+        u.store(b, RULES["ns_axpby"](b, xv, yv, s, t), out, c, "f32", mask)
 
 
 def _moments(b, m_ptr, v_ptr, x, c, W, mask, beta1, omb1, beta2, omb2):
     """m = β1·m + (1−β1)·x; v = β2·v + ((1−β2)·x)·x, stored; returns (m, v)."""
-    m = b.fadd(b.fmul(beta1, u.load(b, m_ptr, c, "f32", W, mask)), b.fmul(omb1, x))
-    v = b.fadd(b.fmul(beta2, u.load(b, v_ptr, c, "f32", W, mask)), b.fmul(b.fmul(omb2, x), x))
+    m = RULES["ema"](b, u.load(b, m_ptr, c, "f32", W, mask), x, beta1, omb1)
+    v = RULES["ema_sq"](b, u.load(b, v_ptr, c, "f32", W, mask), x, beta2, omb2)
     u.store(b, m, m_ptr, c, "f32", mask)
     u.store(b, v, v_ptr, c, "f32", mask)
     return m, v
@@ -167,7 +163,7 @@ class ApolloScaleKey(KernelKey):
             """(opt², r²) as f64 vectors (0 in masked-off lanes) after the moment update."""
             x = u.load(b, r, c, "f32", W, mask)
             mv, vv = _moments(b, m, v, x, c, W, mask, beta1, omb1, beta2, omb2)
-            opt = b.fdiv(mv, b.fadd(sqrt(b, vv), eps))
+            opt = RULES["adam_direction"](b, mv, vv, eps)
             d = ir.VectorType(F64, W)
             o2, r2 = b.fpext(opt, d), b.fpext(x, d)
             o2, r2 = b.fmul(o2, o2), b.fmul(r2, r2)
@@ -246,9 +242,9 @@ class ApolloBuildKey(KernelKey):
                     sv = u.load(b, s, c, "f32", W, mask)
                 else:
                     sv = s0 if self.mode == "tensor" else srow
-                val = b.fmul(u.load(b, gb, c, "f32", W, mask), sv)
-                if self.front:
-                    val = b.fmul(val, front)
+                gv = u.load(b, gb, c, "f32", W, mask)
+                val = RULES["apollo_build_front"](b, gv, sv, front) if self.front \
+                    else RULES["apollo_build"](b, gv, sv)
                 u.store(b, val, ob, c, "f32", mask)
             map_pass(b, u.i64(0), cols, W, body)
         b.ret_void()
@@ -270,9 +266,9 @@ class ApolloApplyKey(KernelKey):
         p_ptr, master, u_ptr = ptrs
         limiter, back, step_size, decay = scalars
         par = _Param(b, self.param, p_ptr, master)
-        adj = b.fmul(b.fdiv(u.load(b, u_ptr, c, "f32", W, mask), limiter), back)
-        stepped = b.fsub(par.load(c, W, mask), b.fmul(step_size, adj))
-        par.store(b.fadd(stepped, b.fmul(decay, stepped)), c, mask)
+        upd = u.load(b, u_ptr, c, "f32", W, mask)
+        par.store(RULES["apollo_apply"](b, par.load(c, W, mask), upd, limiter, back, step_size,
+                                        decay), c, mask)
 
 
 @register
@@ -293,6 +289,5 @@ class HfAdamwKey(KernelKey):
         par = _Param(b, self.param, p_ptr, master)
         g = u.load(b, g_ptr, c, "f32", W, mask)
         m, v = _moments(b, m_ptr, v_ptr, g, c, W, mask, beta1, omb1, beta2, omb2)
-        stepped = b.fsub(par.load(c, W, mask),
-                         b.fmul(step_size, b.fdiv(m, b.fadd(sqrt(b, v), eps))))
-        par.store(b.fadd(stepped, b.fmul(decay, stepped)), c, mask)
+        par.store(RULES["hf_adamw_step"](b, par.load(c, W, mask), m, v, eps, step_size, decay),
+                  c, mask)

@@ -1,9 +1,9 @@
 """Typed (non-f32) math and casts (SPEC R-10, R-11): the integer/bool emitter table of the
 elementwise generator, the cast emitters every domain shares, and the zero-divisor scan kernel.
 
-i64 arithmetic wraps (two's complement). LLVM's sdiv/srem are undefined for a zero divisor and
-for minInt / -1, so the divisions divide by a guarded divisor and never trap on any data;
-reporting a zero divisor is the host's job (the `zero_scan` kernel, read by fucina.ag.typed).
+The i64 arithmetic (wrapping; divisions by a guarded divisor that never trap on any data) is
+written as templates in fucina/kernel_templates/typed.py; reporting a zero divisor is the
+host's job (the `zero_scan` kernel, read by fucina.ag.typed).
 Cast emitters read their operand's compute type (f32, i64 or a bool byte) and return the
 target's; the generator's store narrows f32 to f16/bf16 and an i1 to a bool byte.
 """
@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from ..kernel_templates import typed as _t
 from . import irutil as u
 from . import masks
 from .kernels import KernelKey, register
+from .lowering import lower_table
 
 def _elem(v):
     return v.type.element if isinstance(v.type, ir.VectorType) else v.type
@@ -28,67 +30,6 @@ def _like(v, elem):
 
 def _is_float(v) -> bool:
     return isinstance(_elem(v), (ir.FloatType, ir.HalfType, ir.DoubleType))
-
-
-# ---- integer division -----------------------------------------------------------------------
-
-def _neg(b, x):
-    """0 - x, wrapping (no nsw): -minInt == minInt."""
-    return b.sub(u.const(x.type, 0), x)
-
-
-def _eq(b, v, k):
-    return b.icmp_signed("==", v, u.const(v.type, k))
-
-
-def _safe_divisor(b, y):
-    """y with 0 and -1 replaced by 1: sdiv/srem by it is defined for every dividend."""
-    bad = b.or_(_eq(b, y, 0), _eq(b, y, -1))
-    return b.select(bad, u.const(y.type, 1), y)
-
-
-def _zero_where_no_divisor(b, y, v):
-    return b.select(_eq(b, y, 0), u.const(v.type, 0), v)
-
-
-def _trunc_quotient(b, x, y):
-    """x / y rounded toward 0; x / -1 is the wrapping negation (minInt / -1 == minInt)."""
-    q = b.sdiv(x, _safe_divisor(b, y))
-    return b.select(_eq(b, y, -1), _neg(b, x), q)
-
-
-def _trunc_rem(b, x, y):
-    """x - y * trunc(x / y), sign of x; x % -1 == 0 (srem by the safe divisor 1 gives it)."""
-    return b.srem(x, _safe_divisor(b, y))
-
-
-def _signs_differ(b, r, y):
-    """r != 0 and sign(r) != sign(y): where a truncated result needs the floor correction."""
-    nonzero = b.icmp_signed("!=", r, u.const(r.type, 0))
-    return b.and_(nonzero, b.icmp_signed("<", b.xor(r, y), u.const(r.type, 0)))
-
-
-def div_trunc(b, x, y):
-    """Quotient rounded toward zero (C `/`, Zig @divTrunc); minInt / -1 wraps to minInt."""
-    return _zero_where_no_divisor(b, y, _trunc_quotient(b, x, y))
-
-
-def div_floor(b, x, y):
-    """Quotient rounded toward -inf (Python `//`, Zig @divFloor)."""
-    q = _trunc_quotient(b, x, y)
-    fix = _signs_differ(b, _trunc_rem(b, x, y), y)
-    return _zero_where_no_divisor(b, y, b.sub(q, b.zext(fix, q.type)))
-
-
-def rem(b, x, y):
-    """Remainder with the sign of the dividend (C `%`, torch.fmod); minInt % -1 == 0."""
-    return _trunc_rem(b, x, y)  # 0 where y == 0 (srem by 1)
-
-
-def mod(b, x, y):
-    """Remainder with the sign of the divisor (Python `%`, torch.remainder)."""
-    r = _trunc_rem(b, x, y)
-    return b.select(_signs_differ(b, r, y), b.add(r, y), r)  # r == 0 where y == 0
 
 
 # ---- casts ----------------------------------------------------------------------------------
@@ -145,23 +86,10 @@ float source can be cast to i64 or bool (fucina.exec.elementwise.cast picks the 
 OPS = {
     **masks.OPS,  # where, compares, logical ops: written for integer and bool operands too
     **CASTS,
-    "copy": (1, lambda b, x: x),
-    "neg": (1, lambda b, x: _neg(b, x)),
-    "add": (2, lambda b, x, y: b.add(x, y)),
-    "sub": (2, lambda b, x, y: b.sub(x, y)),
-    "mul": (2, lambda b, x, y: b.mul(x, y)),
-    "maximum": (2, lambda b, x, y: b.select(b.icmp_signed(">", x, y), x, y)),
-    "minimum": (2, lambda b, x, y: b.select(b.icmp_signed("<", x, y), x, y)),
-    "div_trunc": (2, div_trunc),
-    "div_floor": (2, div_floor),
-    "rem": (2, rem),
-    "mod": (2, mod),
-    "bit_and": (2, lambda b, x, y: b.and_(x, y)),
-    "bit_or": (2, lambda b, x, y: b.or_(x, y)),
-    "bit_xor": (2, lambda b, x, y: b.xor(x, y)),
+    **lower_table(_t.TEMPLATES, _t.CONSTANTS, _t.KERNELS),
 }
 """The integer/bool table of the elementwise generator (used when the first non-bool operand
-is i64, or every operand is bool)."""
+is i64, or every operand is bool): the arithmetic is fucina/kernel_templates/typed.py's."""
 
 
 # ---- zero-divisor scan ----------------------------------------------------------------------
