@@ -70,6 +70,7 @@ def rel(a, b):
 # config
 
 def test_configs_read_the_architecture_traits(tiny, ctx1):
+    assert fu.llm.qwen3 is fu.llm.decoder          # the package's earlier name still works
     q = Config.from_gguf(fu.gguf.read(tiny["qwen2"], ctx1))
     assert (q.qkv_bias, q.qk_norm, q.rope_mode, q.activation, q.post_norms) == (
         True, False, "half", "swiglu", False)
