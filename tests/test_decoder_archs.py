@@ -309,6 +309,10 @@ def test_finetune_export_and_chat(tiny, tmp_path, name):
     base = fu.gguf.read(tiny[name], ctx)
     assert set(exported.tensors) == set(base.tensors)        # biases and post-norms kept
     assert Model.from_gguf(ctx, str(out)).config == Model.from_gguf(ctx, tiny[name]).config
+    tokens = ids(11, seed=3)
+    with torch.no_grad():          # transformers reads the merged file as we do
+        ref = hf_model(r.export.merged)(torch.tensor([tokens])).logits[0].numpy()
+    assert rel(our_logits(r.export.merged, tokens), ref) < 1e-5
     p = subprocess.run([sys.executable, "-m", "fucina.cli.chat", str(tiny[name]), "--adapters",
                         str(tmp_path / "ck"), "--prompt", "What is two plus two?",
                         "--max-new", "6", "--threads", "1"],
