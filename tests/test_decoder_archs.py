@@ -398,7 +398,7 @@ def test_real_file_ten_finetune_steps_lower_the_loss(arch):
     labels = [IGNORE_INDEX] * (len(prompt) - 1) + answer + [IGNORE_INDEX]
     ctx = fu.ExecContext(threads=2)
     tr = Trainer(Model.from_gguf(ctx, path), TARGETS, fu.lora.LoraConfig(8, 16.0), seed=1)
-    opt = fu.optim.AdamW(lr=2e-3, weight_decay=0.0)
+    opt = fu.optim.AdamW(lr=3e-4, weight_decay=0.0)
     tr.register_all_params(opt)
     losses = []
     for _ in range(10):
@@ -409,4 +409,5 @@ def test_real_file_ten_finetune_steps_lower_the_loss(arch):
         opt.step()
         opt.zero_grad()
     assert all(math.isfinite(v) for v in losses)
-    assert losses[-1] < 0.5 * losses[0], losses
+    # measured: qwen2 1.147 -> 0.475 -> 0.101 -> ... -> 0.000, gemma3 0.806 -> 0.376 -> 0.08 -> ...
+    assert losses[-1] < 0.1 * losses[0] and max(losses[3:]) < 0.5 * losses[0], losses
