@@ -411,3 +411,16 @@ def test_real_file_ten_finetune_steps_lower_the_loss(arch):
     assert all(math.isfinite(v) for v in losses)
     # measured: qwen2 1.147 -> 0.475 -> 0.101 -> ... -> 0.000, gemma3 0.806 -> 0.376 -> 0.08 -> ...
     assert losses[-1] < 0.1 * losses[0] and max(losses[3:]) < 0.5 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_real_qwen2_serves_through_fu_llm_load():
+    """The serving path end to end (its byte-level BPE tokenizer and ChatML template)."""
+    path = real("qwen2")
+    prompt, _ = hf_prompt(path, "qwen2")
+    lm = fu.llm.load(path, fu.ExecContext(threads=2))
+    assert lm.encode(PROMPT) == prompt
+    assert lm.generate(PROMPT, max_new=24).ids == cached_greedy(lm.model, prompt, 24)
+    reply = lm.chat([{"role": "user", "content": "Write a Python function that returns the "
+                                                 "square of x."}], max_new=40)
+    assert "def square(x):" in reply.text, reply.text
