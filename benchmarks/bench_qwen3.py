@@ -142,12 +142,12 @@ def _step_rows(threads: int, quick: bool) -> list[dict]:
 
 def _step_row(ctx, path, threads: int, quick: bool) -> dict:
     import fucina as fu
-    from fucina.llm import decoder as qwen3
+    from fucina.llm import decoder
 
     torch = c.torch()
     vals = write_model(path)
-    model = qwen3.Model.from_gguf(ctx, fu.gguf.read(path, ctx))
-    trainer = qwen3.Trainer(model, qwen3.Targets(), fu.lora.LoraConfig(RANK, ALPHA), 42)
+    model = decoder.Model.from_gguf(ctx, fu.gguf.read(path, ctx))
+    trainer = decoder.Trainer(model, decoder.Targets(), fu.lora.LoraConfig(RANK, ALPHA), 42)
     opt = fu.optim.AdamW(lr=1e-3, weight_decay=0.0)
     trainer.register_all_params(opt)
     rng = np.random.default_rng(1)

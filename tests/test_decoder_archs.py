@@ -70,6 +70,7 @@ def rel(a, b):
 # config
 
 def test_configs_read_the_architecture_traits(tiny, ctx1):
+    assert fu.llm.qwen3 is fu.llm.decoder          # the package's earlier name still works
     q = Config.from_gguf(fu.gguf.read(tiny["qwen2"], ctx1))
     assert (q.qkv_bias, q.qk_norm, q.rope_mode, q.activation, q.post_norms) == (
         True, False, "half", "swiglu", False)
@@ -308,6 +309,10 @@ def test_finetune_export_and_chat(tiny, tmp_path, name):
     base = fu.gguf.read(tiny[name], ctx)
     assert set(exported.tensors) == set(base.tensors)        # biases and post-norms kept
     assert Model.from_gguf(ctx, str(out)).config == Model.from_gguf(ctx, tiny[name]).config
+    tokens = ids(11, seed=3)
+    with torch.no_grad():          # transformers reads the merged file as we do
+        ref = hf_model(r.export.merged)(torch.tensor([tokens])).logits[0].numpy()
+    assert rel(our_logits(r.export.merged, tokens), ref) < 1e-5
     p = subprocess.run([sys.executable, "-m", "fucina.cli.chat", str(tiny[name]), "--adapters",
                         str(tmp_path / "ck"), "--prompt", "What is two plus two?",
                         "--max-new", "6", "--threads", "1"],
@@ -396,7 +401,7 @@ def test_real_file_ten_finetune_steps_lower_the_loss(arch):
     labels = [IGNORE_INDEX] * (len(prompt) - 1) + answer + [IGNORE_INDEX]
     ctx = fu.ExecContext(threads=2)
     tr = Trainer(Model.from_gguf(ctx, path), TARGETS, fu.lora.LoraConfig(8, 16.0), seed=1)
-    opt = fu.optim.AdamW(lr=2e-3, weight_decay=0.0)
+    opt = fu.optim.AdamW(lr=3e-4, weight_decay=0.0)
     tr.register_all_params(opt)
     losses = []
     for _ in range(10):
@@ -407,4 +412,18 @@ def test_real_file_ten_finetune_steps_lower_the_loss(arch):
         opt.step()
         opt.zero_grad()
     assert all(math.isfinite(v) for v in losses)
-    assert losses[-1] < 0.5 * losses[0], losses
+    # measured: qwen2 1.147 -> 0.475 -> 0.101 -> ... -> 0.000, gemma3 0.806 -> 0.376 -> 0.08 -> ...
+    assert losses[-1] < 0.1 * losses[0] and max(losses[3:]) < 0.5 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_real_qwen2_serves_through_fu_llm_load():
+    """The serving path end to end (its byte-level BPE tokenizer and ChatML template)."""
+    path = real("qwen2")
+    prompt, _ = hf_prompt(path, "qwen2")
+    lm = fu.llm.load(path, fu.ExecContext(threads=2))
+    assert lm.encode(PROMPT) == prompt
+    assert lm.generate(PROMPT, max_new=24).ids == cached_greedy(lm.model, prompt, 24)
+    reply = lm.chat([{"role": "user", "content": "Write a Python function that returns the "
+                                                 "square of x."}], max_new=40)
+    assert "def square(x):" in reply.text, reply.text

@@ -18,10 +18,14 @@ TEXT = "What is the capital of France? Ahoy! The capital"
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+SHAPES = {"gemma3": dict(layers=7, heads=2, kv_heads=1, head_dim=256, ffn=256, sliding_window=5)}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "gemma3"])
 def model_file(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
-    return str(build_tiny_model(d / "m.gguf", seed=2, arch=request.param))
+    return str(build_tiny_model(d / "m.gguf", seed=2, arch=request.param,
+                                **SHAPES.get(request.param, {})))
 
 
 def trained(path, targets=ALL):
@@ -45,9 +49,10 @@ def hf_base(path):
 
 
 # transformers 5.23 maps a tiny qwen3 GGUF's sizes wrongly ("ignore_mismatched_sizes"), so the
-# comparisons through transformers run on the llama-arch model (and SmolLM2); the round trip and
-# serving from a PEFT directory run on both architectures
-THROUGH_TRANSFORMERS = pytest.mark.parametrize("model_file", ["llama"], indirect=True)
+# comparisons through transformers run on the llama, qwen2 and gemma3 models (and SmolLM2); the
+# round trip and serving from a PEFT directory run on every architecture
+THROUGH_TRANSFORMERS = pytest.mark.parametrize("model_file", ["llama", "qwen2", "gemma3"],
+                                               indirect=True)
 
 
 def hf_logits(model, ids):
