@@ -32,10 +32,9 @@ import functools
 import heapq
 from collections.abc import Mapping
 
-import regex
-
 from ..errors import UnsupportedTokenizer
-from .tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, Vocabulary
+from .tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, Vocabulary,
+                        literal_matcher)
 
 __all__ = ["SpmTokenizer", "MARKER"]
 
@@ -86,15 +85,17 @@ class SpmTokenizer(Vocabulary):
         for i, t in enumerate(tokens):   # a repeated spelling: the last id wins, as in transformers
             self._to_id[t] = i
             first.setdefault(t, i)
-        # merge priority of each entry as (primary, -len(left), -len(right), first position);
-        # the primary is -score, or the entry's (last) position when order_priority
+        # merge priority of a pair: (primary, -len(left), -len(right), first position) of the
+        # entry it makes, the primary being -score, or the entry's (last) position when
+        # order_priority; packed into one int, smaller first: the entry's part in _base
         if order_priority:
-            self._primary = {t: i for t, i in self._to_id.items()}
+            primary = self._to_id
         else:
-            self._primary = {}
-            for t, i in first.items():
-                self._primary[t] = -float(scores[self._to_id[t]])
-        self._first = first
+            primary = {t: -float(scores[self._to_id[t]]) for t in first}
+        rank = {v: k for k, v in enumerate(sorted(set(primary.values())))}
+        self._span = span = max(map(len, first)) + 1
+        self._stride = n
+        self._base = {t: (rank[primary[t]] * span * span) * n + first[t] for t in first}
         self.add_space_prefix = add_space_prefix
         self.order_priority = order_priority
         self.bos_id = self._special_id(where, "bos", bos_id)
@@ -107,12 +108,10 @@ class SpmTokenizer(Vocabulary):
                  if ty in (CONTROL, USER_DEFINED, UNKNOWN) and i not in plain_ids}
         whole |= {tokens[i] for i in (self.bos_id, self.eos_id, self.unk_id, self.pad_id)
                   if i is not None}
-        whole.discard("")
-        specials = sorted(whole, key=lambda t: (-len(t), t))
-        self._special_re = (regex.compile("|".join(regex.escape(t) for t in specials))
-                            if specials else None)
-        # adjacent character pairs that some entry holds: a merge can cross no other boundary
-        self._pairs = {t[k:k + 2] for t in self._to_id if len(t) > 1 for k in range(len(t) - 1)}
+        self._special_re = literal_matcher(whole)
+        # the characters some entry holds right before a ▁: the merge can cross a boundary
+        # before a ▁ only after one of them, so the text is cut before every other ▁
+        self._glue = {t[k] for t in self._to_id for k in range(len(t) - 1) if t[k + 1] == MARKER}
         self._byte_ids = [self._to_id.get(name) for name in _BYTE_NAMES]
         self._pieces = self._piece_bytes()
         self._pair_key: dict = {}
@@ -210,24 +209,30 @@ class SpmTokenizer(Vocabulary):
         text = text.replace(" ", MARKER)
         if first and self.add_space_prefix and not text.startswith(MARKER):
             text = MARKER + text
-        pairs, encode = self._pairs, self._encode_part
-        start = 0
-        at = text.find(MARKER, 1)
-        while at > 0:
-            if text[at - 1:at + 1] not in pairs:
-                out.extend(encode(text[start:at]))
-                start = at
-            at = text.find(MARKER, at + 1)
-        out.extend(encode(text[start:]))
+        glue, encode = self._glue, self._encode_part
+        pieces = text.split(MARKER)
+        part = pieces[0]
+        for piece in pieces[1:]:
+            if part and part[-1] in glue:   # some entry holds part[-1] + ▁: no cut here
+                part += MARKER + piece
+            else:
+                if part:
+                    out.extend(encode(part))
+                part = MARKER + piece
+        if part:
+            out.extend(encode(part))
 
     def _key(self, left: str, right: str):
         """Merge priority of the pair (smaller first), or None when left+right is no entry."""
         pair = (left, right)
         key = self._pair_key.get(pair, False)
         if key is False:
-            merged = left + right
-            p = self._primary.get(merged)
-            key = None if p is None else (p, -len(left), -len(right), self._first[merged])
+            base = self._base.get(left + right)
+            if base is not None:
+                span = self._span
+                key = base + ((span - 1 - len(left)) * span + span - 1 - len(right)) * self._stride
+            else:
+                key = None
             self._pair_key[pair] = key
         return key
 
@@ -244,7 +249,7 @@ class SpmTokenizer(Vocabulary):
                     syms.append(_BYTE_NAMES[b] if self._byte_ids[b] is not None else None)
         n = len(syms)
         if n > 1:
-            key = self._key
+            known, key = self._pair_key.get, self._key   # cached priorities first
             nxt = list(range(1, n + 1))
             nxt[-1] = -1
             prv = list(range(-1, n - 1))
@@ -252,7 +257,9 @@ class SpmTokenizer(Vocabulary):
             for i in range(n - 1):
                 a, b = syms[i], syms[i + 1]
                 if a is not None and b is not None:
-                    k = key(a, b)
+                    k = known((a, b), False)
+                    if k is False:
+                        k = key(a, b)
                     if k is not None:
                         heap.append((k, i, a, b))
             heapq.heapify(heap)
@@ -268,12 +275,16 @@ class SpmTokenizer(Vocabulary):
                 if k2 >= 0:
                     prv[k2] = i
                     if syms[k2] is not None:
-                        r = key(merged, syms[k2])
+                        r = known((merged, syms[k2]), False)
+                        if r is False:
+                            r = key(merged, syms[k2])
                         if r is not None:
                             heapq.heappush(heap, (r, i, merged, syms[k2]))
                 p = prv[i]
                 if p >= 0 and syms[p] is not None:
-                    r = key(syms[p], merged)
+                    r = known((syms[p], merged), False)
+                    if r is False:
+                        r = key(syms[p], merged)
                     if r is not None:
                         heapq.heappush(heap, (r, p, syms[p], merged))
         unk = self.unk_id
