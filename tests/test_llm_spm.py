@@ -339,3 +339,31 @@ def test_qwen2_byte_level_ids_match_transformers():
     chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert ours.encode_raw(chat) == hf.encode(chat, add_special_tokens=False)
     ctx.close()
+
+
+def test_template_less_gemma_file_gets_the_gemma_format_with_bos(tmp_path):
+    tokens, scores, types = _synthetic("gemma3", 11)
+    md = _write(tmp_path / "g.gguf", "gemma3", tokens, scores, types,
+                **{"tokenizer.ggml.add_space_prefix": (False, "bool"),
+                   "tokenizer.ggml.add_bos_token": (True, "bool")})
+    tok = Tokenizer.from_gguf(md)
+    chat = ChatTemplate.from_gguf(md, tok)
+    assert chat.kind is Template.GEMMA and chat.stop_strings() == ("<end_of_turn>", "<eos>")
+    text = chat.render([{"role": "user", "content": " Hi "}])
+    assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    ids = tok.encode_raw(text)
+    assert ids[:2] == [tok.bos_id, tok.token_to_id("<start_of_turn>")]
+    assert tok.encode("Hi") == [tok.bos_id] + tok.encode_raw("Hi")
+    llama = _write(tmp_path / "l.gguf", "llama", *_synthetic("llama", 11))
+    assert ChatTemplate.from_gguf(llama).kind is Template.CHATML
+
+
+def test_byte_level_tokenizer_reads_the_bos_policy():
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<s>"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1, 3],
+            "tokenizer.ggml.bos_token_id": 3}
+    assert Tokenizer.from_gguf(meta).encode("ab") == [2]
+    on = Tokenizer.from_gguf({**meta, "tokenizer.ggml.add_bos_token": True})
+    assert on.add_bos and on.encode("ab<s>") == [3, 2, 3]
+    with pytest.raises(UnsupportedTokenizer, match="tokenizer.ggml.add_eos_token is true"):
+        Tokenizer.from_gguf({**meta, "tokenizer.ggml.add_eos_token": True})
