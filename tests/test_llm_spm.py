@@ -232,6 +232,23 @@ REAL_TEXT = CORPUS + "\n".join([
 ])
 
 
+FUZZ_ALPHABET = (list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789  \n\t\r.,;:!?'\"()[]{}<>/\\-_=+*&^%$#@~`|▁")
+                 + ["é", "ß", "ø", "Ж", "λ", "中", "日", "한", "😀", "👍🏽", "\u200b", "\u00a0", "\u3000",
+                    "\x00", "\x7f", "\ufffd", "\U0001d54f", "ـ", "ि"])
+FUZZ_SPECIALS = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<pad>", "<mask>",
+                 "<unused3>", "[multimodal]", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
+                 "<think>"]
+
+
+def _fuzz(ours, hf, count=1500, seed=1):
+    """Random short strings of letters, whitespace runs, rare characters and special tokens."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        text = "".join(rng.choice(FUZZ_SPECIALS) if rng.random() < 0.03
+                       else rng.choice(FUZZ_ALPHABET) for _ in range(rng.randint(1, 40)))
+        assert ours.encode_raw(text) == hf.encode(text, add_special_tokens=False), repr(text)
+
+
 @pytest.fixture(scope="module")
 def gemma3():
     path = require("gemma3")
@@ -252,6 +269,7 @@ def test_gemma3_ids_match_transformers(gemma3):
         ids = ours.encode_raw(line)
         assert ids == hf.encode(line, add_special_tokens=False), line
         assert ours.decode(ids) == hf.decode(ids) == line.replace(MARKER, " ")
+    _fuzz(ours, hf)
     # the encode speed, printed (not asserted): a cold cache and a second pass
     ours._encode_part.cache_clear()   # cold: no part and no pair priority cached
     ours._pair_key.clear()
@@ -336,6 +354,7 @@ def test_qwen2_byte_level_ids_match_transformers():
     assert ours.encode_raw(text) == hf.encode(text, add_special_tokens=False)
     for line in REAL_TEXT.split("\n") + EXTRA:
         assert ours.encode_raw(line) == hf.encode(line, add_special_tokens=False), line
+    _fuzz(ours, hf)
     chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert ours.encode_raw(chat) == hf.encode(chat, add_special_tokens=False)
     ctx.close()

@@ -209,11 +209,13 @@ class SpmTokenizer(Vocabulary):
         text = text.replace(" ", MARKER)
         if first and self.add_space_prefix and not text.startswith(MARKER):
             text = MARKER + text
-        glue, encode = self._glue, self._encode_part
+        glue, encode, to_id = self._glue, self._encode_part, self._to_id
         pieces = text.split(MARKER)
         part = pieces[0]
         for piece in pieces[1:]:
-            if part and part[-1] in glue:   # some entry holds part[-1] + ▁: no cut here
+            # no cut where some entry holds part[-1] + ▁, nor after a byte-fallback character
+            # when an entry holds ">▁" (the end of a <0xNN> symbol)
+            if part and (part[-1] in glue or (part[-1] not in to_id and ">" in glue)):
                 part += MARKER + piece
             else:
                 if part:
