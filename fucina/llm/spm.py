@@ -9,7 +9,9 @@ Encoding, as transformers builds the tokenizer from the same GGUF (and llama.cpp
    vocabulary spelling, and the bos/eos/unk/padding tokens — are cut out whole, leftmost-longest;
 2. each piece of text between them has its spaces replaced by the marker `▁`; with
    `tokenizer.ggml.add_space_prefix` (default true; Gemma's files set false) the first piece
-   of the text gets a `▁` in front unless it already starts with one;
+   of the text gets a `▁` in front unless it already starts with one (transformers 5.23 adds
+   it to a llama-architecture file even when the flag is false; llama.cpp and this follow the
+   flag);
 3. the piece is split into characters (a character missing from the vocabulary becomes the
    byte tokens `<0xNN>` of its UTF-8) and merged by score ("BPE by score"): repeatedly the
    adjacent pair whose concatenation is a vocabulary entry of best priority, leftmost on ties.
@@ -42,6 +44,7 @@ MARKER = "\u2581"   # ▁, SentencePiece's space
 _TYPES = (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE)
 _RESPELL_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})   # whitespace tokens stored as spaces
 _BYTE_NAMES = tuple(f"<0x{b:02X}>" for b in range(256))
+_PAIR_CACHE = 1 << 20   # pair priorities remembered (cleared when full)
 
 
 class SpmTokenizer(Vocabulary):
@@ -235,6 +238,8 @@ class SpmTokenizer(Vocabulary):
                 key = base + ((span - 1 - len(left)) * span + span - 1 - len(right)) * self._stride
             else:
                 key = None
+            if len(self._pair_key) >= _PAIR_CACHE:
+                self._pair_key.clear()
             self._pair_key[pair] = key
         return key
 
