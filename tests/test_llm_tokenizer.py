@@ -232,9 +232,14 @@ def test_bad_input(pair):
 
 def test_unsupported_and_malformed(ctx, tmp_path):
     vocab, merges = _train("qwen2", vocab_size=300)
-    spm = _write_gguf(tmp_path / "spm.gguf", vocab, merges, "qwen2", model="llama")
-    with pytest.raises(UnsupportedTokenizer, match="tokenizer.ggml.model 'llama' is not supported; "
+    t5 = _write_gguf(tmp_path / "t5.gguf", vocab, merges, "qwen2", model="t5")
+    with pytest.raises(UnsupportedTokenizer, match="tokenizer.ggml.model 't5' is not supported; "
                                                    "expected 'gpt2'"):
+        Tokenizer.from_gguf(fu.gguf.read(t5, ctx))
+    # a SentencePiece file goes to fucina.llm.spm, which names what it cannot read
+    spm = _write_gguf(tmp_path / "spm.gguf", vocab, merges, "qwen2", model="llama")
+    with pytest.raises(UnsupportedTokenizer, match="tokenizer.ggml.pre 'qwen2' is not supported "
+                                                   "for a SentencePiece vocabulary"):
         Tokenizer.from_gguf(fu.gguf.read(spm, ctx))
     weird = _write_gguf(tmp_path / "pre.gguf", vocab, merges, "deepseek-coder")
     with pytest.raises(UnsupportedTokenizer, match="tokenizer.ggml.pre 'deepseek-coder' is not "

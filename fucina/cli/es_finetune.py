@@ -53,8 +53,8 @@ import numpy as np
 import fucina as fu
 from fucina import es
 from fucina.io import ParamRegistry, load_trainer_state
-from fucina.llm import (IGNORE_INDEX, EncodeOptions, Loader, LoaderState, SftText, Template,
-                        Tokenizer, detect, encode_pair, encode_prompt)
+from fucina.llm import (IGNORE_INDEX, ChatTemplate, EncodeOptions, Loader, LoaderState, SftText,
+                        Template, Tokenizer, encode_pair, encode_prompt)
 from fucina.llm.decoder import LINEARS, Model, Targets, Trainer
 
 from .finetune import PAIRS, resolve_model
@@ -157,7 +157,8 @@ class Task:
         self.ctx = ctx = fu.ExecContext(threads=threads)
         f = fu.gguf.read(path, ctx)
         self.tok = Tokenizer.from_gguf(f)
-        self.template = detect(f.metadata.get("tokenizer.chat_template")) or Template.CHATML
+        # the file's format; a file without a template: its architecture's (gemma), else chatml
+        self.template = ChatTemplate.from_gguf(f, self.tok).kind or Template.CHATML
         self.stop_ids = {i for i in (self.tok.token_to_id(self.template.stop_marker()),
                                      self.tok.eos_id) if i is not None}
         data = SftText.from_jsonl(opts.data) if opts.data else SftText.from_pairs(list(PAIRS))

@@ -1,5 +1,6 @@
-"""Language models from GGUF files: serving (`load`), the byte-level BPE tokenizer, chat
-templates, SFT data (SPEC T-22) and the decoder models with their LoRA trainer.
+"""Language models from GGUF files: serving (`load`), the tokenizers (byte-level BPE, and
+SentencePiece in `spm` for Gemma-style files: `Tokenizer.from_gguf` picks), chat templates,
+SFT data (SPEC T-22) and the decoder models with their LoRA trainer.
 
     lm = fu.llm.load("model.gguf", ctx)                 # model + tokenizer + chat template
     print(lm.chat([{"role": "user", "content": "Hi"}], max_new=64).text)
@@ -17,11 +18,12 @@ from .data import (IGNORE_INDEX, Conversation, EncodeOptions, Loader, LoaderStat
 from .generation import LM, Generation, KVCache, load
 from .sampling import Settings as SamplingSettings
 from .template import ChatTemplate, Template, detect
+from .spm import SpmTokenizer
 from .tokenizer import Tokenizer, UnsupportedTokenizer
 
 qwen3 = decoder   # the name the package had while it ran qwen3 files only
 
-__all__ = ["decoder", "qwen3", "Tokenizer", "UnsupportedTokenizer", "Template", "ChatTemplate", "detect", "IGNORE_INDEX", "Pair",
-           "SftText", "Conversation", "EncodeOptions", "encode_chat", "chat_messages",
+__all__ = ["decoder", "qwen3", "Tokenizer", "SpmTokenizer", "UnsupportedTokenizer", "Template",
+           "ChatTemplate", "detect", "IGNORE_INDEX", "Pair", "SftText", "Conversation", "EncodeOptions", "encode_chat", "chat_messages",
            "chat_prompt_text", "Sample", "encode_prompt", "encode_pair", "Loader",
            "LoaderState", "load", "LM", "Generation", "KVCache", "SamplingSettings"]

@@ -195,9 +195,11 @@ class LM:
 
     # ---- prompts ----
     def encode(self, prompt) -> list:
-        """A str is tokenized as is (no template, no BOS); a list of ints is taken as ids."""
+        """A str is tokenized as is (no template), with BOS first when the file's
+        add_bos_token asks for it (Gemma: without BOS it scores and continues text badly);
+        a list of ints is taken as ids."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode_raw(prompt)
+            ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(i) for i in check_tokens("LM.generate", prompt, self.model.config.vocab)]
         else:

@@ -38,7 +38,7 @@ sandboxed environment with trim_blocks and lstrip_blocks, loop controls, `raise_
 `strftime_now`, a `tojson` that keeps non-ASCII text, the tokenizer's special-token strings as
 `bos_token`, `eos_token`, ...), so a model trained on our rendering is served identically by
 transformers and by llama.cpp, default system prompts included. A file without a template gets
-the built-in format of the `Template` enum (chatml when nothing else is known).
+the built-in format of the `Template` enum: gemma for a Gemma architecture, else chatml.
 """
 from __future__ import annotations
 
@@ -124,6 +124,9 @@ _STOP = {Template.CHATML: "<|im_end|>", Template.LLAMA3: "<|eot_id|>",
          Template.GEMMA: "<end_of_turn>", Template.GEMMA4: "<turn|>"}
 _RENDER = {Template.CHATML: _chatml, Template.LLAMA3: _llama3, Template.GEMMA: _gemma,
            Template.GEMMA4: _gemma4}
+
+# the format of a file that has no template, by general.architecture
+_ARCH_FORMATS = {"gemma": Template.GEMMA, "gemma2": Template.GEMMA, "gemma3": Template.GEMMA}
 
 # SPEC T-22 detection order: the first marker found in the template text decides
 _MARKERS = (("<|im_start|>", Template.CHATML), ("<|start_header_id|>", Template.LLAMA3),
@@ -322,8 +325,10 @@ class ChatTemplate:
     def from_gguf(cls, gguf_file_or_metadata, tokenizer=None, *, think_off: bool = True
                   ) -> "ChatTemplate":
         """The template of a GGUF file (a `fu.gguf.read` result or its metadata): the Jinja
-        `tokenizer.chat_template` when present, else chatml. Special-token strings come from
-        `tokenizer` when given, else from the file's token list."""
+        `tokenizer.chat_template` when present, else the built-in format of the file's
+        architecture (gemma for Gemma 1-3: base models such as Gemma-3-270M ship no template),
+        else chatml. Special-token strings come from `tokenizer` when given, else from the
+        file's token list."""
         meta = (gguf_file_or_metadata if isinstance(gguf_file_or_metadata, Mapping)
                 else getattr(gguf_file_or_metadata, "metadata", None))
         if not isinstance(meta, Mapping):
@@ -345,7 +350,8 @@ class ChatTemplate:
             elif isinstance(tokens, list) and 0 <= i < len(tokens):
                 specials[name] = tokens[i]
         if source is None:
-            return cls(builtin=Template.CHATML, special_tokens=specials,
+            builtin = _ARCH_FORMATS.get(meta.get("general.architecture"), Template.CHATML)
+            return cls(builtin=builtin, special_tokens=specials,
                        defaults={"enable_thinking": not think_off})
         out = cls(source, special_tokens=specials)
         if "enable_thinking" in out._names:

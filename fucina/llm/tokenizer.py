@@ -32,7 +32,7 @@ import regex
 
 from ..errors import IndexOutOfBounds, UnsupportedTokenizer
 
-__all__ = ["Tokenizer", "UnsupportedTokenizer", "PRE_TOKENIZERS", "NORMAL", "UNKNOWN", "CONTROL",
+__all__ = ["Tokenizer", "Vocabulary", "UnsupportedTokenizer", "PRE_TOKENIZERS", "NORMAL", "UNKNOWN", "CONTROL",
            "USER_DEFINED", "UNUSED", "BYTE"]
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
@@ -55,6 +55,29 @@ PRE_TOKENIZERS = {"gpt-2": _GPT2, "qwen2": _QWEN2, "smollm": _SMOLLM, "llama-bpe
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
+def literal_matcher(strings):
+    """A compiled regex matching any of `strings`, leftmost and then longest, or None when
+    there are none. Written as a trie (shared prefixes factored out, a longer continuation
+    tried before stopping) so that thousands of special tokens (Gemma has 6,400) match at the
+    speed of a few: a flat alternation is tried entry by entry at every position."""
+    trie: dict = {}
+    for t in strings:
+        if t:
+            node = trie
+            for c in t:
+                node = node.setdefault(c, {})
+            node[""] = {}
+
+    def pattern(node) -> str:
+        alts = [regex.escape(c) + pattern(child) for c, child in sorted(node.items()) if c]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return regex.compile(pattern(trie)) if trie else None
+
+
 def byte_alphabet() -> list[str]:
     """GPT-2's byte -> printable character map: bytes that are printable Latin-1 stand for
     themselves, the other 68 take the code points 256, 257, ... in byte order."""
@@ -74,11 +97,95 @@ _CHAR_BYTE = {c: b for b, c in enumerate(_BYTE_CHAR)}
 _LATIN1_TO_ALPHABET = {b: c for b, c in enumerate(_BYTE_CHAR)}   # str.translate table
 
 
-class Tokenizer:
-    """A byte-level BPE vocabulary: `tokens[id]`, merge ranks, token types, special ids."""
+class Vocabulary:
+    """What every GGUF tokenizer shares: `tokens[id]`, token types, special ids and the BOS/EOS
+    policy, id lookups and byte-exact decoding. Subclasses set `_tokens`, `_to_id`, `_types`,
+    `_pieces` (each id's decoded bytes) and implement `encode_raw`."""
+
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    add_bos: bool = False   # tokenizer.ggml.add_bos_token: the model expects BOS first
+    add_eos: bool = False   # tokenizer.ggml.add_eos_token
+
+    def _special_id(self, where, name, value):
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(self._tokens):
+            raise UnsupportedTokenizer(f"{where}: tokenizer.ggml.{name}_token_id: expected an id in "
+                                       f"[0, {len(self._tokens)}), got {value!r}")
+        return value
+
+    def _set_policy(self, where, add_bos, add_eos):
+        for name, flag in (("add_bos_token", add_bos), ("add_eos_token", add_eos)):
+            if not isinstance(flag, bool):
+                raise UnsupportedTokenizer(f"{where}: tokenizer.ggml.{name}: expected a bool, "
+                                           f"got {flag!r}")
+        if add_bos and self.bos_id is None:
+            raise UnsupportedTokenizer(f"{where}: tokenizer.ggml.add_bos_token is true; expected "
+                                       f"tokenizer.ggml.bos_token_id, got none")
+        if add_eos and self.eos_id is None:
+            raise UnsupportedTokenizer(f"{where}: tokenizer.ggml.add_eos_token is true; expected "
+                                       f"tokenizer.ggml.eos_token_id, got none")
+        self.add_bos, self.add_eos = add_bos, add_eos
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of the vocabulary entry spelled exactly `text` (as the GGUF file spells it:
+        "Ġthe" in byte-level BPE, "▁the" in SentencePiece), or None."""
+        return self._to_id.get(text)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` as stored in the GGUF file."""
+        return self._tokens[self._check_id("id_to_token", 0, token_id)]
+
+    def token_type(self, token_id: int) -> int:
+        """tokenizer.ggml.token_type of `token_id` (NORMAL, CONTROL, USER_DEFINED, ...)."""
+        return self._types[self._check_id("token_type", 0, token_id)]
+
+    def _check_id(self, op, pos, token_id) -> int:
+        try:
+            token_id = operator.index(token_id)
+        except TypeError:
+            raise TypeError(f"Tokenizer.{op}: ids[{pos}]: expected an int, got "
+                            f"{type(token_id).__name__}") from None
+        if not 0 <= token_id < len(self._tokens):
+            raise IndexOutOfBounds(f"Tokenizer.{op}: ids[{pos}]: expected an id in "
+                                   f"[0, {len(self._tokens)}), got {token_id}")
+        return token_id
+
+    def encode(self, text: str) -> list[int]:
+        """encode_raw(text) with BOS / EOS added as the file's add_bos_token / add_eos_token
+        ask (plain text, e.g. a perplexity passage; chat templates write their own BOS)."""
+        ids = self.encode_raw(text)
+        return ([self.bos_id] if self.add_bos else []) + ids + ([self.eos_id] if self.add_eos else [])
+
+    def decode_bytes(self, ids) -> bytes:
+        """The bytes the ids stand for (a token may end mid-character: join before decoding)."""
+        ids = list(ids)
+        pieces = self._pieces
+        try:
+            if min(ids, default=0) >= 0:
+                return b"".join([pieces[i] for i in ids])
+        except (TypeError, IndexError):
+            pass   # the checked path names the offending id
+        return b"".join(pieces[self._check_id("decode", k, i)] for k, i in enumerate(ids))
+
+    def decode(self, ids) -> str:
+        """The text of `ids` (invalid UTF-8, e.g. a cut multi-byte character, becomes U+FFFD)."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+class Tokenizer(Vocabulary):
+    """A byte-level BPE vocabulary: `tokens[id]`, merge ranks, token types, special ids.
+    `Tokenizer.from_gguf` returns a SentencePiece tokenizer (fucina.llm.spm) for
+    `tokenizer.ggml.model == "llama"` files: the same surface."""
 
     def __init__(self, tokens, merges, *, token_types=None, pre="gpt-2", bos_id=None,
-                 eos_id=None, pad_id=None, cache_size=1 << 16):
+                 eos_id=None, pad_id=None, add_bos=False, add_eos=False, cache_size=1 << 16):
         where = "Tokenizer"
         if pre not in PRE_TOKENIZERS:
             raise UnsupportedTokenizer(
@@ -118,12 +225,11 @@ class Tokenizer:
         self.bos_id = self._special_id(where, "bos", bos_id)
         self.eos_id = self._special_id(where, "eos", eos_id)
         self.pad_id = self._special_id(where, "padding", pad_id)
+        self._set_policy(where, add_bos, add_eos)
         self._pattern = regex.compile(PRE_TOKENIZERS[pre])
         self._ignore_merges = pre in _IGNORE_MERGES
-        specials = sorted({t for t, ty in zip(tokens, token_types) if ty in _MATCHED_WHOLE and t},
-                          key=lambda t: (-len(t), t))
-        self._special_re = (regex.compile("|".join(regex.escape(t) for t in specials))
-                            if specials else None)
+        self._special_re = literal_matcher(t for t, ty in zip(tokens, token_types)
+                                           if ty in _MATCHED_WHOLE)
         self._pieces = self._piece_bytes()
         self._encode_word = functools.lru_cache(maxsize=cache_size)(self._bpe_word)
 
@@ -131,17 +237,22 @@ class Tokenizer:
     def from_gguf(cls, gguf_file, **kw) -> "Tokenizer":
         """The tokenizer of a GGUF file: a `fu.gguf.read(...)` result, or its metadata mapping.
         Reads `tokenizer.ggml.{model, pre, tokens, token_type, merges, bos_token_id,
-        eos_token_id, padding_token_id}` as llama.cpp's convert script writes them."""
+        eos_token_id, padding_token_id, add_bos_token, add_eos_token}` as llama.cpp's convert
+        script writes them. A SentencePiece file (`tokenizer.ggml.model == "llama"`: Gemma,
+        Llama-2, Mistral) gives a `fucina.llm.spm.SpmTokenizer` with the same surface."""
         meta = gguf_file if isinstance(gguf_file, Mapping) else getattr(gguf_file, "metadata", None)
         if not isinstance(meta, Mapping):
             raise TypeError(f"Tokenizer.from_gguf: expected a GGUF file (fu.gguf.read) or its "
                             f"metadata mapping, got {type(gguf_file).__name__}")
         where = "Tokenizer.from_gguf"
         model = meta.get("tokenizer.ggml.model")
+        if model == "llama" and cls is Tokenizer:
+            from .spm import SpmTokenizer
+            return SpmTokenizer.from_gguf(meta, **kw)
         if model != "gpt2":
             raise UnsupportedTokenizer(
                 f"{where}: tokenizer.ggml.model {model!r} is not supported; expected 'gpt2' "
-                f"(byte-level BPE: Qwen2/3, SmolLM2, Llama-3)")
+                f"(byte-level BPE: Qwen2/3, SmolLM2, Llama-3) or 'llama' (SentencePiece: Gemma)")
         for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
             if not isinstance(meta.get(key), list):
                 raise UnsupportedTokenizer(f"{where}: {key}: expected a list of strings, got "
@@ -151,15 +262,9 @@ class Tokenizer:
                    token_types=meta.get("tokenizer.ggml.token_type"), pre=pre,
                    bos_id=meta.get("tokenizer.ggml.bos_token_id"),
                    eos_id=meta.get("tokenizer.ggml.eos_token_id"),
-                   pad_id=meta.get("tokenizer.ggml.padding_token_id"), **kw)
-
-    def _special_id(self, where, name, value):
-        if value is None:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(self._tokens):
-            raise UnsupportedTokenizer(f"{where}: tokenizer.ggml.{name}_token_id: expected an id in "
-                                       f"[0, {len(self._tokens)}), got {value!r}")
-        return value
+                   pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+                   add_bos=meta.get("tokenizer.ggml.add_bos_token", False),
+                   add_eos=meta.get("tokenizer.ggml.add_eos_token", False), **kw)
 
     def _piece_bytes(self) -> list[bytes]:
         """Each id's decoded bytes (see the module docstring)."""
@@ -181,34 +286,6 @@ class Tokenizer:
     # -----------------------------------------------------------------------------------------
     # public surface
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokens)
-
-    def token_to_id(self, text: str) -> int | None:
-        """The id of the vocabulary entry spelled exactly `text` (byte alphabet for normal
-        tokens, e.g. "Ġthe"), or None."""
-        return self._to_id.get(text)
-
-    def id_to_token(self, token_id: int) -> str:
-        """The vocabulary entry of `token_id` as stored in the GGUF file."""
-        return self._tokens[self._check_id("id_to_token", 0, token_id)]
-
-    def token_type(self, token_id: int) -> int:
-        """tokenizer.ggml.token_type of `token_id` (NORMAL, CONTROL, USER_DEFINED, ...)."""
-        return self._types[self._check_id("token_type", 0, token_id)]
-
-    def _check_id(self, op, pos, token_id) -> int:
-        try:
-            token_id = operator.index(token_id)
-        except TypeError:
-            raise TypeError(f"Tokenizer.{op}: ids[{pos}]: expected an int, got "
-                            f"{type(token_id).__name__}") from None
-        if not 0 <= token_id < len(self._tokens):
-            raise IndexOutOfBounds(f"Tokenizer.{op}: ids[{pos}]: expected an id in "
-                                   f"[0, {len(self._tokens)}), got {token_id}")
-        return token_id
-
     def encode_raw(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens in the text are matched whole; nothing is added
         (no BOS/EOS: the chat template decides every structural token)."""
@@ -227,21 +304,6 @@ class Tokenizer:
         if pos < len(text):
             self._encode_plain(text[pos:], out)
         return out
-
-    def decode_bytes(self, ids) -> bytes:
-        """The bytes the ids stand for (a token may end mid-character: join before decoding)."""
-        ids = list(ids)
-        pieces = self._pieces
-        try:
-            if min(ids, default=0) >= 0:
-                return b"".join([pieces[i] for i in ids])
-        except (TypeError, IndexError):
-            pass   # the checked path names the offending id
-        return b"".join(pieces[self._check_id("decode", k, i)] for k, i in enumerate(ids))
-
-    def decode(self, ids) -> str:
-        """The text of `ids` (invalid UTF-8, e.g. a cut multi-byte character, becomes U+FFFD)."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def __repr__(self):
         return (f"Tokenizer(vocab_size={self.vocab_size}, pre={self.pre!r}, merges={len(self._ranks)}, "
