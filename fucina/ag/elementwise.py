@@ -160,7 +160,7 @@ class ElementwiseMethods:
             if p is None or b.ctx is not ctx or ctx.closed:
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, la, lb = p
-            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
             _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
                        out.addr, a.addr, b.addr, *tail)
             na, nb = self._node, other._node
@@ -180,7 +180,7 @@ class ElementwiseMethods:
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, _, _ = p
             bits = ew.cached_f32_bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
-            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
             x, y = (bits, a.addr) if reflected else (a.addr, bits)
             _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
                        out.addr, x, y, *tail)

@@ -34,7 +34,7 @@ __all__ = ["SliceRange", "concat", "stack"]
 @dataclass(frozen=True)
 class SliceRange:
     """numpy basic slicing along one axis: start (negative counts from the end), end (None =
-    the axis size), step > 0. Out-of-range bounds clamp; an empty result is InvalidShape."""
+    the axis size), step > 0. Out-of-range bounds clamp; an empty range gives an empty axis."""
 
     start: int | None = 0
     end: int | None = None
@@ -51,10 +51,10 @@ def _int(op: str, what: str, v) -> int:
 
 
 def _window(op: str, tag: str, dim: int, start: int, length: int) -> None:
-    """A range [start, start + length) of an axis: InvalidShape when empty or past the axis
-    (a single out-of-range index is IndexOutOfBounds instead)."""
-    if length < 1:
-        raise InvalidShape(f"{op}: expected length >= 1 along {tag!r}, got {length}")
+    """A range [start, start + length) of an axis (empty allowed): InvalidShape when negative
+    or past the axis (a single out-of-range index is IndexOutOfBounds instead)."""
+    if length < 0:
+        raise InvalidShape(f"{op}: expected length >= 0 along {tag!r}, got {length}")
     if start < 0 or start + length > dim:
         raise InvalidShape(f"{op}: range [{start}, {start + length}) does not fit axis {tag!r} of "
                            f"size {dim}; expected 0 <= start and start + length <= {dim}")
@@ -461,9 +461,6 @@ class GatherScatterMethods:
                 raise InvalidShape(f"{op}: expected a positive step for {tag!r}, got {rg.step}")
             lo, hi, step = rg.indices(a.shape[ax])
             n = len(range(lo, hi, step))
-            if n == 0:
-                raise InvalidShape(f"{op}: the range {rg.start}:{rg.stop}:{rg.step} of axis {tag!r} "
-                                   f"(size {a.shape[ax]}) is empty; expected at least one position")
             shape[ax], starts[ax], steps[ax] = n, lo, step
         if len(ranges) > 1:
             require_scope(op, self)

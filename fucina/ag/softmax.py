@@ -16,7 +16,7 @@ from .. import axes
 from ..errors import DTypeError, InvalidShape, ShapeMismatch, UnsupportedGradient
 from ..exec import elementwise as ew
 from ..exec import softmax as exs
-from ..exec.raw import contiguous_strides
+from ..exec.raw import contiguous_strides, numel
 from .checks import real, same_ctx
 from .engine import finish_op, needs_graph
 
@@ -31,14 +31,14 @@ def to_rows(ctx, r, ax: int):
     perm = [i for i in range(r.rank) if i != ax] + [ax]
     K = r.shape[ax]
     rows = ew.materialize(ctx, r.permute(perm))
-    return perm, rows.view((r.numel // K, K), (K, 1))
+    return perm, rows.view((numel(r.shape[:ax] + r.shape[ax + 1:]), K), (K, 1))
 
 
 def rows_of(ctx, g, perm):
     """A gradient in the operand's layout as contiguous rows [R, K] (same perm)."""
     K = g.shape[perm[-1]]
     rows = ew.materialize(ctx, g.permute(perm))
-    return rows.view((g.numel // K, K), (K, 1))
+    return rows.view((numel(tuple(g.shape[i] for i in perm[:-1])), K), (K, 1))
 
 
 def from_rows(ctx, rows, shape, perm):

@@ -109,10 +109,13 @@ class Context:
         if self.closed:
             self.check_open("empty")
         lay = contiguous_layout(dtype, shape)
-        return RawTensor(self.pool.alloc(lay.nbytes, dtype == "f32"), lay, 0, self)
+        # an empty tensor still owns a small buffer (a whole number of any element): kernels
+        # and views take its address
+        return RawTensor(self.pool.alloc(max(lay.nbytes, 64), dtype == "f32"), lay, 0, self)
 
-    def full_raw(self, shape, value, dtype: str = "f32") -> RawTensor:
-        """A new tensor filled with `value` by the generated copy kernel (a broadcast scalar)."""
+    def full_raw(self, shape, value, dtype: str = "f32", out: RawTensor | None = None) -> RawTensor:
+        """A new tensor (or `out`) filled with `value` by the generated copy kernel (a broadcast
+        scalar)."""
         from . import elementwise as ew
 
         shape = tuple(shape)
@@ -121,7 +124,7 @@ class Context:
         one = self._constants.get(key)
         if one is None:  # a 1-element source per value, read through zero strides
             one = self._constants[key] = self.from_numpy([value], (1,), dtype, "full")
-        return ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),))
+        return ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),), out)
 
     def from_numpy(self, data, shape=None, dtype: str = "f32", op: str = "from_slice") -> RawTensor:
         """Copy array-like data into a new pooled tensor (the numpy I/O bridge)."""
@@ -183,6 +186,6 @@ def validate_shape(shape, op: str) -> tuple:
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_RANK:
         raise InvalidShape(f"{op}: expected rank <= {MAX_RANK}, got shape {shape}")
-    if any(d < 1 for d in shape):
-        raise InvalidShape(f"{op}: expected every axis size >= 1, got shape {shape}")
+    if any(d < 0 for d in shape):
+        raise InvalidShape(f"{op}: expected every axis size >= 0, got shape {shape}")
     return shape
