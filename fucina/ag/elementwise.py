@@ -11,7 +11,7 @@ import functools
 from .. import axes
 from ..exec import elementwise as ew
 from ..exec import reduce as red
-from ..errors import ContextMismatch, DTypeError, GradientCastUnsupported
+from ..errors import ContextMismatch, DTypeError, GradientCastUnsupported, InvalidArgumentType
 from ..exec.dtypes import BLOCKS, check as check_dtype
 from ..exec.raw import RawTensor
 from ..runtime import _rt
@@ -217,7 +217,7 @@ class ElementwiseMethods:
                 _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (
                     out.lay, tags, addr, nch, cost, tail, None, None)
             return self._result(out, tags, node)
-        raise TypeError(f"{op}: expected a Tensor or a real number as the other operand, "
+        raise InvalidArgumentType(f"{op}: expected a Tensor or a real number as the other operand, "
                         f"got {type(other).__name__}")
 
     def add(self, other):
