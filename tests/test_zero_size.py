@@ -270,3 +270,25 @@ def test_no_launch_for_empty_work(ctx, monkeypatch):
               lambda: x.layer_norm("b", 1e-5)):
         f()
     assert launched == []
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_optimizer_step_with_an_empty_parameter(ctx, name):
+    """An empty parameter beside a real one: the step, the clip norm and the real parameter's
+    update are torch's."""
+    q0 = rand((2, 3))
+    p, q = ctx.variable(rand((0, 3)), ("a", "b")), ctx.variable(q0, ("a", "b"))
+    opt = getattr(fu.optim, name)(lr=0.1)
+    opt.add_param(p)
+    opt.add_param(q)
+    (p.sum_all() + q.mul(q).sum_all()).backward()
+    norm = opt.clip_grad_norm(1.0)
+    opt.step()
+    tp, tq = torch.zeros((0, 3), requires_grad=True), torch.tensor(q0, requires_grad=True)
+    topt = getattr(torch.optim, name)([tp, tq], lr=0.1)
+    (tp.sum() + (tq * tq).sum()).backward()
+    tnorm = torch.nn.utils.clip_grad_norm_([tp, tq], 1.0)
+    topt.step()
+    np.testing.assert_allclose(float(norm), float(tnorm), rtol=1e-6)
+    close(q.numpy(), tq.detach().numpy())
+    assert p.shape == (0, 3) and p.grad().shape == (0, 3)
