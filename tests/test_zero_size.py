@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fucina as fu
+from fucina.runtime import _rt
 
 f32 = np.float32
 
@@ -260,15 +261,24 @@ def test_norms_on_empty_batch(ctx):
 # ---- no kernel for empty work ------------------------------------------------------------------
 
 def test_no_launch_for_empty_work(ctx, monkeypatch):
-    x = ctx.tensor(rand((0, 3)), ("a", "b"))
+    """Every launch goes through the runtime's launch(): none for empty work, forward or
+    backward (the first calls build their plans, the second ones take the cached fast paths)."""
+    x = ctx.variable(rand((0, 3)), ("a", "b"))
     b = ctx.tensor(rand(3), ("b",))
     w = ctx.tensor(rand((3, 4)), ("b", "c"))
+    t = ctx.tensor(rand((4, 3)), ("a", "b"))
+    none = ctx.tensor(np.zeros(0, np.int64), ("s",), "i64")
     launched = []
-    monkeypatch.setattr(ctx, "launch", lambda *a: launched.append(a[:3]))
-    for f in (lambda: x + b, lambda: x.relu(), lambda: x.sum("b"), lambda: x.softmax("b"),
-              lambda: x.dot(w, "b"), lambda: x.log_softmax("b"), lambda: x.cumsum("a"),
-              lambda: x.layer_norm("b", 1e-5)):
-        f()
+    monkeypatch.setattr(_rt, "launch", lambda *a: launched.append(a[1:4]))
+    for f in (lambda: x + b, lambda: x * x, lambda: x.relu(), lambda: x.sum("b"),
+              lambda: x.softmax("b"), lambda: x.dot(w, "b"), lambda: x.log_softmax("b"),
+              lambda: x.cumsum("a"), lambda: x.layer_norm("b", 1e-5), lambda: t.narrow("a", 1, 0),
+              lambda: t.gather("a", none, "s"), lambda: x.reshape(("z",), (0,)),
+              lambda: x.max("b"), lambda: x.to("f16")):
+        for _ in range(2):
+            y = f()
+            if y.requires_grad:
+                y.backward(grad=ctx.zeros(y.shape, y.tags))
     assert launched == []
 
 

@@ -161,8 +161,9 @@ class ElementwiseMethods:
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, la, lb = p
             out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
-            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
-                       out.addr, a.addr, b.addr, *tail)
+            if nch:  # 0 chunks: an empty result, nothing to launch
+                _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
+                           out.addr, a.addr, b.addr, *tail)
             na, nb = self._node, other._node
             node = None
             if (na is not None or nb is not None) and not engine._mode.disabled:
@@ -182,8 +183,9 @@ class ElementwiseMethods:
             bits = ew.cached_f32_bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
             out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
             x, y = (bits, a.addr) if reflected else (a.addr, bits)
-            _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
-                       out.addr, x, y, *tail)
+            if nch:
+                _rt.launch(ctx.team_for(nch, cost) if nch > 1 else None, addr, nch, cost,
+                           out.addr, x, y, *tail)
             node = None
         else:
             return self._binary_slow(op, other, reflected)

@@ -149,7 +149,8 @@ class Context:
         return self._team
 
     def launch(self, addr: int, n_chunks: int, cost: int, *args) -> None:
-        _rt.launch(self.team_for(n_chunks, cost), addr, n_chunks, cost, *args)
+        if n_chunks:  # no chunk, no work: not even the runtime's call
+            _rt.launch(self.team_for(n_chunks, cost), addr, n_chunks, cost, *args)
 
     def team_for(self, n_chunks: int, cost: int):
         """The team when a job is worth splitting, else None (run inline on the caller)."""

@@ -114,6 +114,8 @@ def gather(ctx, x: RawTensor, axis: int, idx: RawTensor, *, rows: bool, op: str,
     lay, addr, n_chunks, cost, tail, N = plan
     pool = ctx.pool
     out = RawTensor(pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
+    if not n_chunks:  # no index: an empty result
+        return out
     flag = pool.alloc(8, False, True)
     _rt.launch(ctx.team_for(n_chunks, cost), addr, n_chunks, cost, x.addr, out.addr, idx.addr, flag.addr, *tail)
     if _FLAG.unpack_from(flag)[0]:
