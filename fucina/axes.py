@@ -50,7 +50,7 @@ def pointwise(op: str, ltags: tuple, lshape: tuple, rtags: tuple, rshape: tuple)
         if ld != rd and ld != 1 and rd != 1:
             raise ShapeMismatch(f"{op}: axis {t!r} has size {ld} in the left operand and {rd} in the right; "
                                 f"expected equal sizes or 1")
-        shape.append(max(ld, rd))
+        shape.append(ld if rd == 1 else rd)  # not max: a 0 broadcasts against 1 to 0
     return out_tags, tuple(shape), lmap, rmap
 
 

@@ -16,6 +16,16 @@ def _family(base, names, doc):
     return out
 
 
+class InvalidArgument(FucinaError, ValueError):
+    """An option outside its domain: an unknown op, kind or reduction name, a ddof, a thread
+    count. Still a ValueError, as Python's own checks are."""
+
+
+class InvalidArgumentType(FucinaError, TypeError):
+    """An argument of the wrong Python type (a string where a number goes, an array where a
+    Tensor goes). Still a TypeError, as Python's own checks are."""
+
+
 class ContextMismatch(FucinaError):
     """Operands belong to two different ExecContexts."""
 

@@ -617,8 +617,8 @@ def test_shape_and_argument_errors(ctx):
         x.narrow("c", 3, 3)
     with pytest.raises(fu.InvalidShape):
         x.zero_slice("c", -1, 2)
-    with pytest.raises(fu.InvalidShape):
-        x.narrow("c", 0, 0)
+    with pytest.raises(fu.InvalidShape, match="length >= 0"):
+        x.narrow("c", 0, -1)
     with pytest.raises(fu.IndexOutOfBounds):
         x.select("r", 4)
     with pytest.raises(fu.IndexOutOfBounds):
@@ -627,8 +627,7 @@ def test_shape_and_argument_errors(ctx):
         x.slice(c=fu.SliceRange(0, None, 0))
     with pytest.raises(fu.InvalidShape, match="positive step"):
         x.slice(c=fu.SliceRange(None, None, -1))
-    with pytest.raises(fu.InvalidShape, match="empty"):
-        x.slice(c=fu.SliceRange(4, 2))
+    assert x.slice(c=fu.SliceRange(4, 2)).shape == (4, 0)  # numpy's empty range
     with pytest.raises(fu.TagError):
         x.slice(z=fu.SliceRange(0, 1))
     with pytest.raises(fu.InvalidShape):

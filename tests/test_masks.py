@@ -644,7 +644,7 @@ def test_bad_input(ctx):
     with pytest.raises(TypeError):
         x.band_part("r", "c", 1.0, None)
     with pytest.raises(fu.InvalidShape):
-        band_mask(ctx, ("a", "b"), (0, 3), None, 0)
+        band_mask(ctx, ("a", "b"), (-1, 3), None, 0)
     with pytest.raises(fu.InvalidShape):
         band_mask(ctx, ("a", "b", "c"), (2, 2, 2), None, 0)
     with pytest.raises(fu.TagError):

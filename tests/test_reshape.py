@@ -48,7 +48,9 @@ def test_errors(ctx):
         x.reshape(("a", "c"), (5, 5))
     with pytest.raises(fu.TagError):
         x.reshape(("a", "a"), (4, 6))
-    with pytest.raises(fu.InvalidShape, match="positive"):
+    with pytest.raises(fu.InvalidShape, match="non-negative"):
+        x.reshape(("a", "c"), (-1, 24))
+    with pytest.raises(fu.InvalidShape, match="holds 0 elements"):
         x.reshape(("a", "c"), (0, 24))
     with pytest.raises(fu.InvalidShape, match="sizes"):
         x.split_axis("d", ("p", "q"), (3, 2))

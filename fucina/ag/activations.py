@@ -9,7 +9,8 @@ narrow once in the same kernel and are no-grad (finish_op raises UnsupportedGrad
 from __future__ import annotations
 
 from .. import axes
-from ..errors import DTypeError, InvalidShape, UnsupportedGradient
+from ..errors import (DTypeError, InvalidArgument, InvalidArgumentType, InvalidShape,
+                      UnsupportedGradient)
 from ..exec import elementwise as ew
 from ..kernel_templates.activations import UNARY_RULES
 from . import engine
@@ -44,7 +45,7 @@ def canonical(op) -> str:
         op = _SPELLINGS.get(op, op)
         if op in _UNARY_GRAD:
             return op
-    raise ValueError(f"unary: expected one of {UNARY}, got {op!r}")
+    raise InvalidArgument(f"unary: expected one of {UNARY}, got {op!r}")
 
 
 def unary(op: str, x):
@@ -159,13 +160,13 @@ def split_gated(op: str, x, tag: str, out_tag: str):
 
 def _gated_op(name: str, op) -> str:
     if op in INFERENCE_ONLY_GATED:
-        raise TypeError(f"{name}: {op!r} is inference-only (it exists for the MoE entries); "
+        raise InvalidArgumentType(f"{name}: {op!r} is inference-only (it exists for the MoE entries); "
                         f"use x.swiglu_clamp10(gate) under no-grad")
     allowed = SPLIT_GATED if name == "split_gated" else GATED
     if op in GATED and op not in allowed:
-        raise TypeError(f"split_gated: {op!r} has no split form; expected one of {allowed}")
+        raise InvalidArgumentType(f"split_gated: {op!r} has no split form; expected one of {allowed}")
     if op not in allowed:
-        raise ValueError(f"{name}: expected one of {allowed}, got {op!r}")
+        raise InvalidArgument(f"{name}: expected one of {allowed}, got {op!r}")
     return op
 
 

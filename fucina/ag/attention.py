@@ -7,8 +7,8 @@ from __future__ import annotations
 import functools
 import numbers
 
-from ..errors import (DTypeError, IndexOutOfBounds, InvalidDataLength, InvalidShape, ShapeMismatch,
-                      TagError, UnsupportedGradient)
+from ..errors import (DTypeError, IndexOutOfBounds, InvalidArgument, InvalidArgumentType,
+                      InvalidDataLength, InvalidShape, ShapeMismatch, TagError, UnsupportedGradient)
 from ..exec import attention as exa
 from ..exec import elementwise as ew
 from ..exec.raw import contiguous_strides
@@ -44,7 +44,7 @@ def _mapping(op, heads, H, KVH):
     try:
         m = tuple(int(x) for x in heads)
     except TypeError:
-        raise TypeError(f"{op}: kv_head_for_head: expected a sequence of ints, got "
+        raise InvalidArgumentType(f"{op}: kv_head_for_head: expected a sequence of ints, got "
                         f"{type(heads).__name__}") from None
     if len(m) != H:
         raise InvalidDataLength(f"{op}: kv_head_for_head: expected {H} entries (one per query "
@@ -101,7 +101,7 @@ def attention(op, q, k, v, heads, out_tag, scale, mask, window, bias):
     m, standard = _mapping(op, heads, H, KVH)
     scale = real(op, scale)
     if mask not in MASKS:
-        raise ValueError(f"{op}: mask: expected one of {MASKS}, got {mask!r}")
+        raise InvalidArgument(f"{op}: mask: expected one of {MASKS}, got {mask!r}")
     causal = mask == "causal"
     if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
         raise InvalidShape(f"{op}: window: expected an int >= 0, got {window!r}")

@@ -18,8 +18,9 @@ from __future__ import annotations
 import functools
 import threading
 
-from ..errors import (CheckpointMissingInputGradient, CheckpointOutputNotDifferentiable, ContextMismatch,
-                      DTypeError, NestedCheckpointRecompute, ShapeMismatch, UnsupportedGradient)
+from ..errors import (CheckpointMissingInputGradient, CheckpointOutputNotDifferentiable,
+                      ContextMismatch, DTypeError, InvalidArgumentType, NestedCheckpointRecompute,
+                      ShapeMismatch, UnsupportedGradient)
 from ..exec import elementwise as ew
 from . import engine
 from .checks import same_ctx
@@ -56,14 +57,14 @@ def checkpoint_with_context(block, extra, *inputs) -> Tensor:
 def _checkpoint(block, extra, inputs) -> Tensor:
     op = "checkpoint" if extra is _NO_EXTRA else "checkpoint_with_context"
     if not callable(block):
-        raise TypeError(f"{op}: expected a callable block, got {type(block).__name__}")
+        raise InvalidArgumentType(f"{op}: expected a callable block, got {type(block).__name__}")
     packed = len(inputs) == 1 and isinstance(inputs[0], (tuple, list))
     inputs = tuple(inputs[0]) if packed else tuple(inputs)
     if not inputs:
-        raise TypeError(f"{op}: expected at least one input tensor, got none")
+        raise InvalidArgumentType(f"{op}: expected at least one input tensor, got none")
     for i, t in enumerate(inputs):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: input {i}: expected a Tensor, got {type(t).__name__}")
+            raise InvalidArgumentType(f"{op}: input {i}: expected a Tensor, got {type(t).__name__}")
         same_ctx(op, inputs[0], t)
         if t._raw.dtype != "f32":
             raise DTypeError(f"{op}: input {i}: expected an f32 tensor, got {t._raw.dtype}")
@@ -101,7 +102,7 @@ class _Call:
 
 def _output(op, y, ctx):
     if not isinstance(y, Tensor):
-        raise TypeError(f"{op}: the block must return a Tensor, got {type(y).__name__}")
+        raise InvalidArgumentType(f"{op}: the block must return a Tensor, got {type(y).__name__}")
     r = y._live(f"{op} block output")
     if r.ctx is not ctx:
         raise ContextMismatch(f"{op}: the block returned a tensor of another ExecContext")

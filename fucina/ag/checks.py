@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import numbers
 
-from ..errors import ActiveExecScopeRequired, ContextMismatch
+from ..errors import ActiveExecScopeRequired, ContextMismatch, InvalidArgumentType
 from .engine import needs_graph
 
 
 def same_ctx(op: str, x, y) -> None:
     """y must be a Tensor of x's context."""
     if type(y) is not type(x):
-        raise TypeError(f"{op}: expected a Tensor operand, got {type(y).__name__}")
+        raise InvalidArgumentType(f"{op}: expected a Tensor operand, got {type(y).__name__}")
     if y._live(op).ctx is not x._raw.ctx:
         raise ContextMismatch(f"{op}: operands belong to two different ExecContexts")
 
@@ -18,7 +18,7 @@ def same_ctx(op: str, x, y) -> None:
 def real(op: str, s) -> float:
     """A Python real number (bools are refused) as a float."""
     if isinstance(s, bool) or not isinstance(s, numbers.Real):
-        raise TypeError(f"{op}: expected a real number, got {type(s).__name__}")
+        raise InvalidArgumentType(f"{op}: expected a real number, got {type(s).__name__}")
     return float(s)
 
 

@@ -1,14 +1,17 @@
 """The public ExecContext: the exec-layer context plus constructors that return Tensors."""
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from .. import axes
-from ..errors import DTypeError
+from ..errors import DTypeError, InvalidArgumentType
 from ..exec import Context, validate_shape
 from . import moe, rope
 from .engine import Leaf
 from ..exec.dtypes import check as check_dtype
+from ..exec.dtypes import host_array
 from .tensor import Tensor
 
 
@@ -22,7 +25,7 @@ class ExecContext(Context):
         """A constant from array-like data; len(tags) must equal the data's rank."""
         self.check_open("tensor")
         check_dtype(dtype, "tensor")
-        arr = np.asarray(data)
+        arr = host_array(data, "tensor")
         tags = axes.check_tags(tags, arr.ndim, "tensor")
         return Tensor(self.from_numpy(arr, None, dtype, "tensor"), tags)
 
@@ -43,12 +46,16 @@ class ExecContext(Context):
 
     def from_slice(self, tags, shape, values, dtype: str = "f32") -> Tensor:
         self.check_open("from_slice")
-        shape = tuple(shape)
+        shape = validate_shape(shape, "from_slice")
         tags = axes.check_tags(tags, len(shape), "from_slice")
-        return Tensor(self.from_numpy(np.asarray(values).reshape(-1), shape, dtype, "from_slice"), tags)
+        values = host_array(values, "from_slice").reshape(-1)
+        return Tensor(self.from_numpy(values, shape, dtype, "from_slice"), tags)
 
     def full(self, shape, value, tags, dtype: str = "f32") -> Tensor:
         self.check_open("full")
+        if not isinstance(value, (numbers.Real, np.bool_)):
+            raise InvalidArgumentType(f"full: expected a real number or bool as value, got "
+                                      f"{type(value).__name__}")
         shape = validate_shape(shape, "full")
         tags = axes.check_tags(tags, len(shape), "full")
         return Tensor(self.full_raw(shape, value, check_dtype(dtype, "full")), tags)

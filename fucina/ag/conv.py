@@ -25,7 +25,7 @@ import numbers
 import numpy as np
 
 from ..errors import (ContextMismatch, DTypeError, GradientPreparedConv2dUnsupported,
-                      InvalidDataLength, InvalidShape, ShapeMismatch, TagError)
+                      InvalidArgumentType, InvalidDataLength, InvalidShape, ShapeMismatch, TagError)
 from ..exec import conv as exc
 from ..exec import elementwise as ew
 from ..exec import reduce as red
@@ -47,7 +47,7 @@ def _f32(op, what, r):
 
 def _int(op, name, v, lo=1) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{op}: expected an integer {name}, got {v!r}")
+        raise InvalidArgumentType(f"{op}: expected an integer {name}, got {v!r}")
     if v < lo:
         raise InvalidShape(f"{op}: expected {name} >= {lo}, got {v}")
     return int(v)
@@ -57,7 +57,7 @@ def _pair(op, name, v, lo=1) -> tuple[int, int]:
     """An int or an (h, w) pair of ints."""
     if isinstance(v, (tuple, list)):
         if len(v) != 2:
-            raise TypeError(f"{op}: expected {name} as an int or an (h, w) pair, got {v!r}")
+            raise InvalidArgumentType(f"{op}: expected {name} as an int or an (h, w) pair, got {v!r}")
         return _int(op, name, v[0], lo), _int(op, name, v[1], lo)
     v = _int(op, name, v, lo)
     return v, v
@@ -245,7 +245,7 @@ def _conv2d_prepared(op, x, weight, prepared, bias, stride, padding, groups, out
             f"{op}: the Winograd-prepared route is inference-only; expected operands without "
             f"gradients (use conv2d, or fu.no_grad())")
     if not isinstance(prepared, PreparedConv2dWeights):
-        raise TypeError(f"{op}: expected prepared weights from weight.prepare_conv2d_weights(), "
+        raise InvalidArgumentType(f"{op}: expected prepared weights from weight.prepare_conv2d_weights(), "
                         f"got {type(prepared).__name__}")
     g = _conv2d_geo(op, x, weight, bias, stride, padding, groups)
     if prepared.ctx is not x._raw.ctx:

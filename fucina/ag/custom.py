@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from ..errors import DTypeError, MissingBackwardGradient, ShapeMismatch
+from ..errors import DTypeError, InvalidArgumentType, MissingBackwardGradient, ShapeMismatch
 from .engine import finish_op, no_grad
 
 
@@ -17,10 +17,10 @@ def custom_vjp(spec, extra, inputs):
     needs_grad[i]. Returns (raw, tags, node) for Tensor._result."""
     for member in ("Output", "forward", "backward"):
         if not hasattr(spec, member):
-            raise TypeError(f"custom_vjp: spec must define {member!r}; {type(spec).__name__} does not")
+            raise InvalidArgumentType(f"custom_vjp: spec must define {member!r}; {type(spec).__name__} does not")
     inputs = list(inputs)
     if not inputs:
-        raise TypeError("custom_vjp: expected at least one input tensor")
+        raise InvalidArgumentType("custom_vjp: expected at least one input tensor")
     for i, t in enumerate(inputs):
         if t._live("custom_vjp").dtype != "f32":
             raise DTypeError(f"custom_vjp: input {i}: expected f32, got {t._raw.dtype}")

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..codegen import elemental as tr
 from ..elemental import ElementalFallbackWarning
-from ..errors import DTypeError, ShapeMismatch
+from ..errors import DTypeError, InvalidArgumentType, ShapeMismatch
 from ..exec import elementwise as ew
 from .elementwise import aligned, unbroadcast
 from .checks import same_ctx
@@ -50,7 +50,7 @@ def op_name(op) -> str:
 def _require(op, entry: str, methods) -> None:
     for m in methods:
         if not callable(getattr(op, m, None)):
-            raise TypeError(f"{entry}: op {op_name(op)} must define {m}(); it does not")
+            raise InvalidArgumentType(f"{entry}: op {op_name(op)} must define {m}(); it does not")
 
 
 def _warn(op, method: str, reason: str) -> None:

@@ -11,7 +11,7 @@ import functools
 from .. import axes
 from ..exec import elementwise as ew
 from ..exec import reduce as red
-from ..errors import ContextMismatch, DTypeError, GradientCastUnsupported
+from ..errors import ContextMismatch, DTypeError, GradientCastUnsupported, InvalidArgumentType
 from ..exec.dtypes import BLOCKS, check as check_dtype
 from ..exec.raw import RawTensor
 from . import engine
@@ -159,7 +159,7 @@ class ElementwiseMethods:
             if p is None or b.ctx is not ctx or ctx.closed:
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, la, lb = p
-            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
             ctx.launch(addr, nch, cost, out.addr, a.addr, b.addr, *tail)
             na, nb = self._node, other._node
             node = None
@@ -178,7 +178,7 @@ class ElementwiseMethods:
                 return self._binary_slow(op, other, reflected)
             lay, tags, addr, nch, cost, tail, _, _ = p
             bits = ew.cached_f32_bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
-            out = RawTensor(ctx.pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+            out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
             x, y = (bits, a.addr) if reflected else (a.addr, bits)
             ctx.launch(addr, nch, cost, out.addr, x, y, *tail)
             node = None
@@ -214,7 +214,7 @@ class ElementwiseMethods:
                 _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (
                     out.lay, tags, addr, nch, cost, tail, None, None)
             return self._result(out, tags, node)
-        raise TypeError(f"{op}: expected a Tensor or a real number as the other operand, "
+        raise InvalidArgumentType(f"{op}: expected a Tensor or a real number as the other operand, "
                         f"got {type(other).__name__}")
 
     def add(self, other):

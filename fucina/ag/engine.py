@@ -12,8 +12,8 @@ import sys
 import threading
 from collections import deque
 
-from ..errors import (BackwardAlreadyRun, GraphNodeReleased, MissingOutputGradient, UnsupportedGradient,
-                      NoGradientGraph, ShapeMismatch)
+from ..errors import (BackwardAlreadyRun, GraphNodeReleased, MissingOutputGradient, NoGradientGraph,
+                      ShapeMismatch, UnsupportedGradient)
 from ..exec import elementwise as ew
 
 class _Mode(threading.local):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import axes
-from ..errors import (DTypeError, EmptySelection, IndexOutOfBounds, InvalidShape, ShapeMismatch,
-                      TagError, UnsupportedGradient)
+from ..errors import (DTypeError, EmptySelection, IndexOutOfBounds, InvalidArgumentType,
+                      InvalidShape, ShapeMismatch, TagError, UnsupportedGradient)
 from ..exec import elementwise as ew
 from ..exec import gather_scatter as gs
 from ..exec import reduce as red
@@ -34,7 +34,7 @@ __all__ = ["SliceRange", "concat", "stack"]
 @dataclass(frozen=True)
 class SliceRange:
     """numpy basic slicing along one axis: start (negative counts from the end), end (None =
-    the axis size), step > 0. Out-of-range bounds clamp; an empty result is InvalidShape."""
+    the axis size), step > 0. Out-of-range bounds clamp; an empty range gives an empty axis."""
 
     start: int | None = 0
     end: int | None = None
@@ -46,15 +46,15 @@ class SliceRange:
 
 def _int(op: str, what: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{op}: expected an integer {what}, got {v!r}")
+        raise InvalidArgumentType(f"{op}: expected an integer {what}, got {v!r}")
     return int(v)
 
 
 def _window(op: str, tag: str, dim: int, start: int, length: int) -> None:
-    """A range [start, start + length) of an axis: InvalidShape when empty or past the axis
-    (a single out-of-range index is IndexOutOfBounds instead)."""
-    if length < 1:
-        raise InvalidShape(f"{op}: expected length >= 1 along {tag!r}, got {length}")
+    """A range [start, start + length) of an axis (empty allowed): InvalidShape when negative
+    or past the axis (a single out-of-range index is IndexOutOfBounds instead)."""
+    if length < 0:
+        raise InvalidShape(f"{op}: expected length >= 0 along {tag!r}, got {length}")
     if start < 0 or start + length > dim:
         raise InvalidShape(f"{op}: range [{start}, {start + length}) does not fit axis {tag!r} of "
                            f"size {dim}; expected 0 <= start and start + length <= {dim}")
@@ -86,7 +86,7 @@ def _selector(op: str, x, indices):
     """index_select's indices (a rank-1 i64 tensor of x's context) checked one by one."""
     x._live(op)
     if not _is_tensor(indices):
-        raise TypeError(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
+        raise InvalidArgumentType(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
     idx = _index_tensor(op, x, indices)
     if len(idx.shape) != 1:
         raise InvalidShape(f"{op}: expected rank-1 indices, got shape {idx.shape}")
@@ -106,7 +106,7 @@ def _rows_index(op: str, x, indices):
     if arr.size == 0:
         raise InvalidShape(f"{op}: expected at least one index, got none (zero-size tensors are not representable)")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{op}: expected integer indices, got {arr.dtype}")
+        raise InvalidArgumentType(f"{op}: expected integer indices, got {arr.dtype}")
     return x._raw.ctx.from_numpy(arr.astype(np.int64, copy=False), (arr.size,), "i64", op)
 
 
@@ -345,10 +345,10 @@ def _operands(op: str, tensors):
     elif len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
         tensors = tuple(tensors[0])
     if not tensors:
-        raise TypeError(f"{op}: expected at least one tensor")
+        raise InvalidArgumentType(f"{op}: expected at least one tensor")
     for t in tensors:
         if not isinstance(t, GatherScatterMethods):
-            raise TypeError(f"{op}: expected Tensor operands, got {type(t).__name__}")
+            raise InvalidArgumentType(f"{op}: expected Tensor operands, got {type(t).__name__}")
     return tuple(tensors)  # contexts are checked operand by operand (_like)
 
 
@@ -416,7 +416,7 @@ class GatherScatterMethods:
         op = "take_along_axis"
         self._live(op)
         if not _is_tensor(indices):
-            raise TypeError(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
+            raise InvalidArgumentType(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
         ax = axes.axis_of(self.tags, tag, op)
         idx, _ = _like(op, self, indices, "indices", ax)
         _index_tensor(op, self, indices)
@@ -446,14 +446,14 @@ class GatherScatterMethods:
         op = "slice"
         a = self._live(op)
         if not ranges:
-            raise TypeError(f"{op}: expected at least one tag=SliceRange(...) argument")
+            raise InvalidArgumentType(f"{op}: expected at least one tag=SliceRange(...) argument")
         shape, starts, steps = list(a.shape), [0] * a.rank, [1] * a.rank
         for tag, rg in ranges.items():
             ax = axes.axis_of(self.tags, tag, op)
             if isinstance(rg, SliceRange):
                 rg = slice(rg.start, rg.end, rg.step)
             if not isinstance(rg, slice):
-                raise TypeError(f"{op}: expected a SliceRange for {tag!r}, got {type(rg).__name__}")
+                raise InvalidArgumentType(f"{op}: expected a SliceRange for {tag!r}, got {type(rg).__name__}")
             for what in ("start", "stop", "step"):
                 if getattr(rg, what) is not None:
                     _int(op, what, getattr(rg, what))
@@ -461,9 +461,6 @@ class GatherScatterMethods:
                 raise InvalidShape(f"{op}: expected a positive step for {tag!r}, got {rg.step}")
             lo, hi, step = rg.indices(a.shape[ax])
             n = len(range(lo, hi, step))
-            if n == 0:
-                raise InvalidShape(f"{op}: the range {rg.start}:{rg.stop}:{rg.step} of axis {tag!r} "
-                                   f"(size {a.shape[ax]}) is empty; expected at least one position")
             shape[ax], starts[ax], steps[ax] = n, lo, step
         if len(ranges) > 1:
             require_scope(op, self)
@@ -518,7 +515,7 @@ class GatherScatterMethods:
         ax = axes.axis_of(self.tags, tag, op)
         n = a.shape[ax]
         if not isinstance(out_list, list):
-            raise TypeError(f"{op}: expected a list to fill, got {type(out_list).__name__}")
+            raise InvalidArgumentType(f"{op}: expected a list to fill, got {type(out_list).__name__}")
         if len(out_list) not in (0, n):
             raise ShapeMismatch(f"{op}: expected an empty list or one of length {n} (dim of {tag!r}), "
                                 f"got length {len(out_list)}")
@@ -646,7 +643,7 @@ class GatherScatterMethods:
         op = "masked_select"
         a = self._live(op)
         if not _is_tensor(mask):
-            raise TypeError(f"{op}: expected a mask Tensor, got {type(mask).__name__}")
+            raise InvalidArgumentType(f"{op}: expected a mask Tensor, got {type(mask).__name__}")
         m, _ = _like(op, self, mask, "a mask", None)
         if mask.requires_grad:
             raise UnsupportedGradient(f"{op}: expected a mask that does not require grad")
@@ -695,10 +692,10 @@ def _rolled(r, ax: int, shift: int):
 def _scatter(op: str, x, tag: str, indices, src, mode: str):
     x._live(op)
     if not _is_tensor(indices):
-        raise TypeError(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
+        raise InvalidArgumentType(f"{op}: expected an i64 Tensor of indices, got {type(indices).__name__}")
     ax = axes.axis_of(x.tags, tag, op)
     _index_tensor(op, x, indices)
     if not _is_tensor(src):
-        raise TypeError(f"{op}: expected a src Tensor, got {type(src).__name__}")
+        raise InvalidArgumentType(f"{op}: expected a src Tensor, got {type(src).__name__}")
     idx, _ = _like(op, x, indices, "indices", ax)
     return _put(op, x, tag, idx, src, mode, False)

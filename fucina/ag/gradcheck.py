@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import (GradientMismatch, GradientShapeMismatch, InvalidGradcheckOptions,
-                      MissingAnalyticalGradient, NoVariableInputs)
+from ..errors import (GradientMismatch, GradientShapeMismatch, InvalidArgumentType,
+                      InvalidGradcheckOptions, MissingAnalyticalGradient, NoVariableInputs)
 from .engine import no_grad
 
 
@@ -41,7 +41,7 @@ def gradcheck(loss_fn, inputs, eps: float = 1e-3, abs_tol: float = 1e-3, rel_tol
     def scalar_loss():
         loss = loss_fn(*inputs)
         if not hasattr(loss, "tags") or loss.tags != ():
-            raise TypeError(f"gradcheck: loss_fn must return a scalar () tensor, got {loss!r}")
+            raise InvalidArgumentType(f"gradcheck: loss_fn must return a scalar () tensor, got {loss!r}")
         return loss
 
     def evaluate() -> float:

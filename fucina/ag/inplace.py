@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from .. import axes
-from ..errors import ActiveExecScopeUnsupported, ShapeMismatch, UnsupportedGradient
+from ..errors import ActiveExecScopeUnsupported, InvalidArgument, ShapeMismatch, UnsupportedGradient
 from ..exec import elementwise as ew
 from .activations import UNARY
 from .checks import real, same_ctx
@@ -56,7 +56,7 @@ class InplaceMethods:
         same_ctx("add_axis_vector_unary_in_place", self, bias)
         _no_grad_operands("add_axis_vector_unary_in_place", self, bias)
         if op not in UNARY:
-            raise ValueError(f"add_axis_vector_unary_in_place: expected one of {UNARY}, got {op!r}")
+            raise InvalidArgument(f"add_axis_vector_unary_in_place: expected one of {UNARY}, got {op!r}")
         bv = _last_axis_bias("add_axis_vector_unary_in_place", self, bias, axis_tag)
         ew.compute_dtype_of("add", (r.dtype, bias._raw.dtype))
         ew.run(r.ctx, "add_then:" + op, r.dtype, r.shape, (r, bv), out=r)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import numpy as np
 
 from .. import axes
-from ..errors import (DTypeError, IndexOutOfBounds, InvalidDataLength, InvalidShape,
-                      LinearCrossEntropyBackwardConsumed, ShapeMismatch, TagError)
+from ..errors import (DTypeError, IndexOutOfBounds, InvalidArgument, InvalidArgumentType,
+                      InvalidDataLength, InvalidShape, LinearCrossEntropyBackwardConsumed,
+                      ShapeMismatch, TagError)
 from ..exec import elementwise as ew
 from ..exec import loss as exl
 from ..exec import reduce as red
@@ -23,6 +25,9 @@ def _host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=N
     """Labels (list, numpy, or an i64 Tensor), one per position, validated against K classes.
     A tagged label tensor must carry the position tags in the logits' order (row-major labels
     in another axis order would silently pair the wrong rows). Returns (int array, ignored)."""
+    if ignore_index is not None and (isinstance(ignore_index, bool)
+                                     or not isinstance(ignore_index, numbers.Integral)):
+        raise InvalidArgumentType(f"{op}: expected an integer ignore_index, got {ignore_index!r}")
     if hasattr(labels, "_live"):
         if positions is not None and labels.tags != tuple(positions):
             raise TagError(f"{op}: expected labels tagged {tuple(positions)} (the positions, in the "
@@ -38,7 +43,7 @@ def _host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=N
     if arr.size != R:
         raise InvalidDataLength(f"{op}: expected {R} labels (one per position), got {arr.size}")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{op}: expected integer labels, got dtype {arr.dtype}")
+        raise InvalidArgumentType(f"{op}: expected integer labels, got dtype {arr.dtype}")
     ignored = np.zeros(R, bool) if ignore_index is None else (arr == ignore_index)
     low = np.zeros(R, bool) if arr.dtype.kind == "u" else arr < 0
     bad = (low | (arr >= K)) & ~ignored
@@ -189,7 +194,7 @@ KLL_FWD, KLL_DX, KLL_DT = ("kl_div_log_target_loss", "kl_div_log_target_loss_dx"
 
 def _reduction(name: str, reduction) -> str:
     if reduction not in REDUCTIONS:
-        raise ValueError(f"{name}: expected reduction in {REDUCTIONS}, got {reduction!r}")
+        raise InvalidArgument(f"{name}: expected reduction in {REDUCTIONS}, got {reduction!r}")
     return reduction
 
 

@@ -19,7 +19,8 @@ import numpy as np
 from .. import axes
 from ..codegen import kernels
 from ..codegen.masks import BLOCK, COMPARE_OPS, BandMaskKey, MaskReduceKey
-from ..errors import DTypeError, InvalidShape, ShapeMismatch, TagError
+from ..errors import (DTypeError, InvalidArgument, InvalidArgumentType, InvalidShape, ShapeMismatch,
+                      TagError)
 from ..exec import elementwise as ew
 from ..exec.context import validate_shape
 from ..exec.dtypes import FLOATS, ITEMSIZE
@@ -118,7 +119,7 @@ def _int_plan(op: str, v, lo: int, hi: int):
 def compare(x, op: str, other):
     """x op other -> bool; `other` a same-tagged same-shape tensor or a Python number."""
     if op not in COMPARE_OPS:
-        raise ValueError(f"compare: expected op in {COMPARE_OPS}, got {op!r}")
+        raise InvalidArgument(f"compare: expected op in {COMPARE_OPS}, got {op!r}")
     a = x._raw
     ctx = a.ctx
     if a.dtype not in FLOATS and a.dtype not in _INT_RANGE:
@@ -132,7 +133,7 @@ def compare(x, op: str, other):
                              f"got {a.dtype} and {b.dtype}")
         return ew.run(ctx, "cmp_" + op, "bool", a.shape, (a, b))
     if not isinstance(other, numbers.Real):
-        raise TypeError(f"compare: expected a Tensor or a real number as other, got {type(other).__name__}")
+        raise InvalidArgumentType(f"compare: expected a Tensor or a real number as other, got {type(other).__name__}")
     if a.dtype in FLOATS:  # f16/bf16 widen to f32; the number rounds to f32 (SPEC: via f32)
         return ew.run(ctx, "cmp_" + op, "bool", a.shape, (a, _f32(other)))
     lo, hi = _INT_RANGE[a.dtype]
@@ -168,13 +169,13 @@ def masked_fill(x, mask, value):
     ctx = a.ctx
     m = _into("masked_fill", x, mask)
     if not isinstance(value, numbers.Real):  # bools count as 0/1
-        raise TypeError(f"masked_fill: expected a real number as value, got {type(value).__name__}")
+        raise InvalidArgumentType(f"masked_fill: expected a real number as value, got {type(value).__name__}")
     if a.dtype == "i64":
         if not isinstance(value, numbers.Integral):
             raise DTypeError(f"masked_fill: expected an integer value for an i64 tensor, got {value!r}")
         lo, hi = _INT_RANGE["i64"]
         if not lo <= int(value) <= hi:
-            raise ValueError(f"masked_fill: value {value} does not fit in i64")
+            raise InvalidArgument(f"masked_fill: value {value} does not fit in i64")
         value = int(value)
     elif a.dtype == "bool":
         value = 1 if value != 0 else 0  # truthiness, NaN included
@@ -233,7 +234,7 @@ def _bound(name: str, v, limit: int) -> int:
     if v is None:
         return limit
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"band: expected {name} to be an int or None, got {type(v).__name__}")
+        raise InvalidArgumentType(f"band: expected {name} to be an int or None, got {type(v).__name__}")
     return max(-limit, min(limit, int(v)))
 
 
@@ -242,6 +243,8 @@ def band_raw(ctx, R: int, C: int, lower, upper):
     limit = R + C
     lo, up = _bound("lower", lower, limit), _bound("upper", upper, limit)
     out = ctx.empty((R, C), "bool")
+    if R * C == 0:
+        return out
     per = max(1, ew.CHUNK // C)
     ctx.launch(kernels.get(BandMaskKey()), -(-R // per), R * C, out.addr, R, C, lo, up, per)
     return out
@@ -388,5 +391,5 @@ class MaskMethods:
 
 def _offset(op: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{op}: expected an int offset, got {type(v).__name__}")
+        raise InvalidArgumentType(f"{op}: expected an int offset, got {type(v).__name__}")
     return int(v)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import functools
 
 from .. import axes
-from ..errors import ActiveExecScopeRequired, DTypeError, ShapeMismatch, TagError
+from ..errors import (ActiveExecScopeRequired, DTypeError, InvalidArgument, InvalidArgumentType,
+                      ShapeMismatch, TagError)
 from ..exec import einsum as es
 from ..exec import elementwise as ew
 from ..exec import reduce as red
@@ -78,7 +79,7 @@ def einsum_many(out_tags, operands):
     """A-6: a left fold of binary einsums keeping, at each step, the tags still needed."""
     out_tags = tuple(out_tags)
     if len(operands) < 2:
-        raise TypeError(f"einsum_many: expected at least 2 operands, got {len(operands)}")
+        raise InvalidArgumentType(f"einsum_many: expected at least 2 operands, got {len(operands)}")
     ctx = operands[0]._raw.ctx
     if needs_graph(*operands) and not ctx.scopes:
         raise ActiveExecScopeRequired(
@@ -102,7 +103,7 @@ def matmul(x, y, kind: str, out_tags):
     axes broadcast (stride 0), mixed ranks broadcast."""
     a, b = x._raw, y._raw
     if kind not in ("plain", "trans_a", "trans_b"):
-        raise ValueError(f"matmul: expected kind plain, trans_a or trans_b, got {kind!r}")
+        raise InvalidArgument(f"matmul: expected kind plain, trans_a or trans_b, got {kind!r}")
     if a.dtype != "f32" or b.dtype != "f32":
         raise DTypeError(f"matmul: expected f32 operands, got {a.dtype} and {b.dtype}")
     if a.rank < 2 or b.rank < 2:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import numbers
 
-from ..errors import DTypeError, IndexOutOfBounds, InvalidShape, ShapeMismatch, UnsupportedGradient
+from ..errors import (DTypeError, IndexOutOfBounds, InvalidArgument, InvalidArgumentType,
+                      InvalidShape, ShapeMismatch, UnsupportedGradient)
 from ..exec import elementwise as ew
 from ..exec import moe as xm
 from ..exec import quant as xq
@@ -40,7 +41,7 @@ ACTS = ("glu", "swiglu", "geglu", "situ", "swiglu_clamp10")
 
 def _count(op: str, name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{op}: expected an integer {name}, got {v!r}")
+        raise InvalidArgumentType(f"{op}: expected an integer {name}, got {v!r}")
     if v < 1:
         raise InvalidShape(f"{op}: expected {name} >= 1, got {v}")
     return int(v)
@@ -51,9 +52,9 @@ def _run(op: str, x, gate, up, down, selected, weights, top_k, out_pe, act, prof
     for w in (gate, up, down):
         same_ctx(op, x, w)
     if act not in ACTS:
-        raise ValueError(f"{op}: expected act in {ACTS}, got {act!r}")
+        raise InvalidArgument(f"{op}: expected act in {ACTS}, got {act!r}")
     if profile is not None and not isinstance(profile, dict):
-        raise TypeError(f"{op}: expected profile to be None or a dict, got {type(profile).__name__}")
+        raise InvalidArgumentType(f"{op}: expected profile to be None or a dict, got {type(profile).__name__}")
     if needs_graph(x, gate, up, down):
         raise UnsupportedGradient(f"{op}: inference-only; expected operands that do not require "
                                   f"grad (or fu.no_grad())")
@@ -91,7 +92,7 @@ def _flat(op, selected):
     try:
         return [int(e) for e in selected]
     except (TypeError, ValueError):
-        raise TypeError(f"{op}: selected: expected a flat sequence of expert indices, got "
+        raise InvalidArgumentType(f"{op}: selected: expected a flat sequence of expert indices, got "
                         f"{selected!r}") from None
 
 

@@ -14,7 +14,8 @@ import functools
 import numbers
 
 from .. import axes
-from ..errors import DTypeError, InvalidShape, ShapeMismatch, TagError
+from ..errors import (DTypeError, InvalidArgument, InvalidArgumentType, InvalidShape, ShapeMismatch,
+                      TagError)
 from ..exec import elementwise as ew
 from ..exec import norm as exn
 from .checks import real, require_scope, same_ctx
@@ -146,7 +147,7 @@ class NormMethods:
         (both or neither); weight/bias rank-1 of length dim(tag)."""
         op = "layer_norm"
         if (weight is None) != (bias is None):
-            raise TypeError(f"{op}: weight and bias must be given together (both or neither)")
+            raise InvalidArgumentType(f"{op}: weight and bias must be given together (both or neither)")
         spec = exn.NormSpec(center=True, eps=_eps(op, eps))
         return self._result(*normalize(op, self, tag, spec, weight, bias))
 
@@ -161,7 +162,7 @@ class NormMethods:
         op = "rms_norm_mul"
         spec = exn.NormSpec(center=False, eps=_eps(op, eps))
         if weight is None:
-            raise TypeError(f"{op}: expected a weight tensor, got None")
+            raise InvalidArgumentType(f"{op}: expected a weight tensor, got None")
         return self._result(*normalize(op, self, tag, spec, weight, strict_tags=True))
 
     def rms_norm_mul_add(self, tag: str, weight, residual, eps: float):
@@ -169,7 +170,7 @@ class NormMethods:
         op = "rms_norm_mul_add"
         spec = exn.NormSpec(center=False, eps=_eps(op, eps))
         if weight is None or residual is None:
-            raise TypeError(f"{op}: expected weight and residual tensors")
+            raise InvalidArgumentType(f"{op}: expected weight and residual tensors")
         return self._result(*normalize(op, self, tag, spec, weight, residual=residual,
                                        strict_tags=True))
 
@@ -180,7 +181,7 @@ class NormMethods:
         rotation kernel; differentiable in x and weight."""
         op = "rms_norm_mul_rope_half_prepared"
         if not isinstance(table, RopeTable):
-            raise TypeError(f"{op}: expected a prepared RopeTable (ctx.prepare_rope_table), got "
+            raise InvalidArgumentType(f"{op}: expected a prepared RopeTable (ctx.prepare_rope_table), got "
                             f"{type(table).__name__}")
         return self.rms_norm_mul(feature_tag, weight, eps).rope(position_tag, feature_tag, table,
                                                                 "half")
@@ -208,7 +209,7 @@ class NormMethods:
         K = self.shape[axes.axis_of(self.tags, channel_tag, op)]
         for what, p in (("alpha", alpha), ("inv_b", inv_b)):
             if p is None:
-                raise TypeError(f"{op}: expected {what} as a tensor, got None")
+                raise InvalidArgumentType(f"{op}: expected {what} as a tensor, got None")
             _param(op, what, self, p, channel_tag, K, True)
         s = (self * alpha).unary("sin")
         return self + (s * s) * inv_b  # x-major operand first: the result keeps x's axis order
@@ -223,17 +224,17 @@ class NormMethods:
         r = self._live(op)
         ax = axes.axis_of(self.tags, tag, op)
         if eps_mode not in EPS_MODES:
-            raise ValueError(f"{op}: expected eps_mode in {tuple(EPS_MODES)}, got {eps_mode!r}")
+            raise InvalidArgument(f"{op}: expected eps_mode in {tuple(EPS_MODES)}, got {eps_mode!r}")
         if accumulation not in ACCUMULATIONS:
-            raise ValueError(f"{op}: expected accumulation in {ACCUMULATIONS}, got {accumulation!r}")
+            raise InvalidArgument(f"{op}: expected accumulation in {ACCUMULATIONS}, got {accumulation!r}")
         if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral):
-            raise TypeError(f"{op}: expected an integer ddof, got {ddof!r}")
+            raise InvalidArgumentType(f"{op}: expected an integer ddof, got {ddof!r}")
         if ddof < 0:
             raise InvalidShape(f"{op}: expected ddof >= 0, got {ddof}")
         K = r.shape[ax]
         if valid_len is not None:
             if isinstance(valid_len, bool) or not isinstance(valid_len, numbers.Integral):
-                raise TypeError(f"{op}: expected an integer valid_len, got {valid_len!r}")
+                raise InvalidArgumentType(f"{op}: expected an integer valid_len, got {valid_len!r}")
             if not 0 <= valid_len <= K:
                 raise InvalidShape(f"{op}: expected 0 <= valid_len <= {K} (dim of {tag!r}), got {valid_len}")
             valid_len = int(valid_len)

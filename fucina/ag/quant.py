@@ -16,7 +16,8 @@ import numpy as np
 
 from .. import axes
 from ..errors import (DTypeError, GradientQuantizedMatmulUnsupported, IndexOutOfBounds,
-                      InvalidShape, ShapeMismatch, TagError, UnsupportedGradient)
+                      InvalidArgumentType, InvalidShape, ShapeMismatch, TagError,
+                      UnsupportedGradient)
 from ..exec import elementwise as ew
 from ..exec import quant as xq
 from ..exec.dtypes import BLOCKS
@@ -129,7 +130,7 @@ def _indices(op: str, x, indices):
         raise InvalidShape(f"{op}: indices: expected at least one index, got none (zero-size "
                            f"tensors are not representable)")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{op}: indices: expected integers, got {arr.dtype}")
+        raise InvalidArgumentType(f"{op}: indices: expected integers, got {arr.dtype}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise IndexOutOfBounds(f"{op}: index {int(arr.max())} does not fit in i64")
     return x._raw.ctx.from_numpy(arr.astype(np.int64), (arr.size,), "i64", op)
@@ -149,7 +150,7 @@ def _tensors(op: str, x, others):
         others = tuple(others[0])
     for t in others:
         if not isinstance(t, type(x)):
-            raise TypeError(f"{op}: expected Tensor operands, got {type(t).__name__}")
+            raise InvalidArgumentType(f"{op}: expected Tensor operands, got {type(t).__name__}")
         same_ctx(op, x, t)
     return (x, *others)
 

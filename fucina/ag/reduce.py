@@ -19,7 +19,7 @@ import numbers
 import numpy as np
 
 from .. import axes
-from ..errors import DTypeError, ShapeMismatch, TagError
+from ..errors import DTypeError, InvalidArgument, InvalidArgumentType, ShapeMismatch, TagError
 from ..exec import elementwise as ew
 from ..exec import reduce as red
 from ..exec import scan as sc
@@ -90,7 +90,7 @@ def _empty_value(name, empty, dtype):
         return None
     if dtype in ("i64", "bool"):
         if isinstance(empty, bool) or not isinstance(empty, numbers.Integral):
-            raise TypeError(f"{name}: expected an integer empty= for an integer sum, got {empty!r}")
+            raise InvalidArgumentType(f"{name}: expected an integer empty= for an integer sum, got {empty!r}")
         return int(empty)
     return real(name, empty)
 
@@ -247,7 +247,7 @@ def norm(x, axis: int | None, tags, order):
     if isinstance(order, (str, int, float)) and not isinstance(order, bool):
         kind = NORM_ORDERS.get(order)
     if kind is None:
-        raise ValueError(f"{name}: expected order 'l1', 'l2' or 'inf', got {order!r}")
+        raise InvalidArgument(f"{name}: expected order 'l1', 'l2' or 'inf', got {order!r}")
     r = x._raw
     ctx = r.ctx
     _typed_op("norm", r.dtype, name)
@@ -389,7 +389,7 @@ def _drop(t, axis):
 
 def _ddof(ddof) -> int:
     if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral) or int(ddof) not in (0, 1):
-        raise ValueError(f"variance: expected ddof 0 (divide by n) or 1 (by n - 1), got {ddof!r}")
+        raise InvalidArgument(f"variance: expected ddof 0 (divide by n) or 1 (by n - 1), got {ddof!r}")
     return int(ddof)
 
 

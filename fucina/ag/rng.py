@@ -11,7 +11,7 @@ import numbers
 import numpy as np
 
 from .. import axes
-from ..errors import DTypeError, InvalidShape, TagError
+from ..errors import DTypeError, InvalidArgumentType, InvalidShape, TagError
 from ..exec import elementwise as ew
 from ..exec import rng as xr
 from .engine import finish_op
@@ -22,7 +22,7 @@ FLOATS = ("f32", "f16", "bf16")
 
 def _seed(op: str, seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"{op}: expected an int seed, got {type(seed).__name__}")
+        raise InvalidArgumentType(f"{op}: expected an int seed, got {type(seed).__name__}")
     return int(seed) & MASK64
 
 
@@ -36,7 +36,7 @@ def dropout(x, p, seed):
     if r.dtype not in FLOATS:
         raise DTypeError(f"{op}: expected a float tensor (f32, f16, bf16), got {r.dtype}")
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"{op}: expected a real p, got {type(p).__name__}")
+        raise InvalidArgumentType(f"{op}: expected a real p, got {type(p).__name__}")
     p32 = float(np.float32(p))
     if not 0.0 <= p32 < 1.0:
         raise InvalidShape(f"{op}: expected 0 <= p < 1, got p={p!r}")
@@ -76,7 +76,7 @@ def multinomial(x, class_tag, out_tag, num_samples, seed, replacement):
     if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
         raise InvalidShape(f"{op}: expected num_samples >= 1, got {num_samples!r}")
     if not isinstance(replacement, bool):
-        raise TypeError(f"{op}: expected replacement to be a bool, got {type(replacement).__name__}")
+        raise InvalidArgumentType(f"{op}: expected replacement to be a bool, got {type(replacement).__name__}")
     seed = _seed(op, seed)
     K = r.shape[-1]
     S = int(num_samples)

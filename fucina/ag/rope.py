@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import axes
-from ..errors import ContextMismatch, DTypeError, InvalidShape, ShapeMismatch, TagError
+from ..errors import (ContextMismatch, DTypeError, InvalidArgument, InvalidArgumentType,
+                      InvalidShape, ShapeMismatch, TagError)
 from ..exec import elementwise as ew
 from ..exec import rope as exr
 from .checks import real
@@ -63,12 +64,12 @@ def _positions(op, positions):
     try:
         pos = list(positions)
     except TypeError:
-        raise TypeError(f"{op}: expected positions as a sequence of ints, got "
+        raise InvalidArgumentType(f"{op}: expected positions as a sequence of ints, got "
                         f"{type(positions).__name__}") from None
     out = []
     for p in pos:
         if isinstance(p, bool) or not isinstance(p, numbers.Integral):
-            raise TypeError(f"{op}: expected integer positions, got {p!r}")
+            raise InvalidArgumentType(f"{op}: expected integer positions, got {p!r}")
         p = int(p)
         if not INT32_MIN <= p <= INT32_MAX:
             raise InvalidShape(f"{op}: position {p} does not fit in int32")
@@ -85,7 +86,7 @@ def prepare_rope_table(ctx, positions, feature_dim, theta_base, inverse=False, f
     op = "prepare_rope_table"
     pos = _positions(op, positions)
     if isinstance(feature_dim, bool) or not isinstance(feature_dim, numbers.Integral):
-        raise TypeError(f"{op}: expected an integer feature_dim, got {feature_dim!r}")
+        raise InvalidArgumentType(f"{op}: expected an integer feature_dim, got {feature_dim!r}")
     D = int(feature_dim)
     if D <= 0 or D % 2:
         raise InvalidShape(f"{op}: expected a positive even feature_dim, got {D}")
@@ -93,7 +94,7 @@ def prepare_rope_table(ctx, positions, feature_dim, theta_base, inverse=False, f
     if not (math.isfinite(theta) and theta > 0):
         raise InvalidShape(f"{op}: expected a finite theta_base > 0, got {theta}")
     if not isinstance(inverse, bool):
-        raise TypeError(f"{op}: expected inverse as a bool, got {inverse!r}")
+        raise InvalidArgumentType(f"{op}: expected inverse as a bool, got {inverse!r}")
     ff = None
     if freq_factors is not None:
         ff = [real(op, f) for f in freq_factors]
@@ -111,7 +112,7 @@ def prepare_rope_table_inv_freqs_f64(ctx, pos0, count, inv_freq, inverse=False):
     op = "prepare_rope_table_inv_freqs_f64"
     for what, v in (("pos0", pos0), ("count", count)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{op}: expected an integer {what}, got {v!r}")
+            raise InvalidArgumentType(f"{op}: expected an integer {what}, got {v!r}")
     if count < 1:
         raise InvalidShape(f"{op}: expected count >= 1, got {count}")
     pos = _positions(op, range(int(pos0), int(pos0) + int(count)))
@@ -119,7 +120,7 @@ def prepare_rope_table_inv_freqs_f64(ctx, pos0, count, inv_freq, inverse=False):
     if freqs.size == 0:
         raise InvalidShape(f"{op}: expected at least one inverse frequency, got none")
     if not isinstance(inverse, bool):
-        raise TypeError(f"{op}: expected inverse as a bool, got {inverse!r}")
+        raise InvalidArgumentType(f"{op}: expected inverse as a bool, got {inverse!r}")
     angle = np.asarray(pos, dtype=np.float64)[:, None] * freqs[None, :]
     sn = np.sin(angle).astype(np.float32)
     cs = np.cos(angle).astype(np.float32)
@@ -171,7 +172,7 @@ def rope(x, position_tag, feature_tag, source, mode):
     if pax == fax:
         raise TagError(f"{op}: position_tag and feature_tag are the same axis {position_tag!r}")
     if not isinstance(mode, str) or mode not in exr.MODES:
-        raise ValueError(f"{op}: expected mode one of {exr.MODES}, got {mode!r}")
+        raise InvalidArgument(f"{op}: expected mode one of {exr.MODES}, got {mode!r}")
     if r.dtype != "f32":
         raise DTypeError(f"{op}: expected an f32 tensor, got {r.dtype}")
     P, F = r.shape[pax], r.shape[fax]
@@ -182,7 +183,7 @@ def rope(x, position_tag, feature_tag, source, mode):
     elif isinstance(source, RopeTheta):
         table = None
     else:
-        raise TypeError(f"{op}: expected source as a RopeTable or RopeTheta, got {type(source).__name__}")
+        raise InvalidArgumentType(f"{op}: expected source as a RopeTable or RopeTheta, got {type(source).__name__}")
     if table is None:
         pos = _positions(op, source.positions)
         if len(pos) != P:

@@ -15,7 +15,8 @@ import numbers
 from typing import NamedTuple
 
 from .. import axes
-from ..errors import DTypeError, InvalidDataLength, TagError, UnsupportedGradient
+from ..errors import (DTypeError, InvalidArgumentType, InvalidDataLength, TagError,
+                      UnsupportedGradient)
 from ..exec import selection as xs
 from .engine import finish_op
 from .moe import moe_expert_ffn, moe_expert_ffn_batch
@@ -50,13 +51,13 @@ def _floats(op: str, r) -> None:
 
 def _k(op: str, k) -> int:
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"{op}: expected an integer k, got {k!r}")
+        raise InvalidArgumentType(f"{op}: expected an integer k, got {k!r}")
     return int(k)
 
 
 def _flag(op: str, name: str, v) -> bool:
     if not isinstance(v, bool):
-        raise TypeError(f"{op}: expected {name} to be a bool, got {v!r}")
+        raise InvalidArgumentType(f"{op}: expected {name} to be a bool, got {v!r}")
     return v
 
 
@@ -153,7 +154,7 @@ class SelectionMethods:
         xs.check_k(op, k, E, expert_tag)
         for name, out in (("selected", selected), ("weights", weights)):
             if not (hasattr(out, "__len__") and hasattr(out, "__setitem__")):
-                raise TypeError(f"{op}: expected {name} to be a mutable sequence (list or numpy "
+                raise InvalidArgumentType(f"{op}: expected {name} to be a mutable sequence (list or numpy "
                                 f"array), got {type(out).__name__}")
             if len(out) != R * k:
                 raise InvalidDataLength(f"{op}: expected {name} of length rows * k = {R * k}, "

@@ -46,8 +46,8 @@ class ShapeMethods:
         a = self._live(op)
         tags = axes.check_tags(tags, len(tuple(shape)), op)
         shape = tuple(shape)
-        if any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in shape):
-            raise InvalidShape(f"{op}: expected positive integer dims, got {shape}")
+        if any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in shape):
+            raise InvalidShape(f"{op}: expected non-negative integer dims, got {shape}")
         shape = tuple(int(d) for d in shape)
         if numel(shape) != a.numel:
             raise InvalidShape(f"{op}: shape {shape} holds {numel(shape)} elements; expected "

@@ -13,10 +13,11 @@ import numbers
 import numpy as np
 
 from .. import axes
-from ..errors import DTypeError, InvalidShape, ShapeMismatch, UnsupportedGradient
+from ..errors import (DTypeError, InvalidArgumentType, InvalidShape, ShapeMismatch,
+                      UnsupportedGradient)
 from ..exec import elementwise as ew
 from ..exec import softmax as exs
-from ..exec.raw import contiguous_strides
+from ..exec.raw import contiguous_strides, numel
 from .checks import real, same_ctx
 from .engine import finish_op, needs_graph
 
@@ -31,14 +32,14 @@ def to_rows(ctx, r, ax: int):
     perm = [i for i in range(r.rank) if i != ax] + [ax]
     K = r.shape[ax]
     rows = ew.materialize(ctx, r.permute(perm))
-    return perm, rows.view((r.numel // K, K), (K, 1))
+    return perm, rows.view((numel(r.shape[:ax] + r.shape[ax + 1:]), K), (K, 1))
 
 
 def rows_of(ctx, g, perm):
     """A gradient in the operand's layout as contiguous rows [R, K] (same perm)."""
     K = g.shape[perm[-1]]
     rows = ew.materialize(ctx, g.permute(perm))
-    return rows.view((g.numel // K, K), (K, 1))
+    return rows.view((numel(tuple(g.shape[i] for i in perm[:-1])), K), (K, 1))
 
 
 def from_rows(ctx, rows, shape, perm):
@@ -80,24 +81,24 @@ def _sink_values(sinks) -> np.ndarray:
     else:
         arr = np.asarray(sinks)
     if arr.dtype.kind not in "fiu":
-        raise TypeError(f"softmax: expected sinks as real numbers, got dtype {arr.dtype}")
+        raise InvalidArgumentType(f"softmax: expected sinks as real numbers, got dtype {arr.dtype}")
     return arr.astype(np.float32).reshape(-1)
 
 
 def _causal(causal, tags, shape, tag, ax):
     if not isinstance(causal, dict):
-        raise TypeError(f"softmax: expected causal as a dict with 'query_tag' (and optional "
+        raise InvalidArgumentType(f"softmax: expected causal as a dict with 'query_tag' (and optional "
                         f"'source_offset'), got {type(causal).__name__}")
     unknown = sorted(set(causal) - set(CAUSAL_KEYS))
     if unknown:
-        raise TypeError(f"softmax: unknown causal option(s) {unknown}; expected keys {CAUSAL_KEYS}")
+        raise InvalidArgumentType(f"softmax: unknown causal option(s) {unknown}; expected keys {CAUSAL_KEYS}")
     if "query_tag" not in causal:
-        raise TypeError("softmax: causal needs 'query_tag'")
+        raise InvalidArgumentType("softmax: causal needs 'query_tag'")
     q = causal["query_tag"]
     qa = axes.axis_of(tags, q, "softmax")
     off = causal.get("source_offset", 0)
     if isinstance(off, bool) or not isinstance(off, numbers.Integral):
-        raise TypeError(f"softmax: expected an integer causal source_offset, got {off!r}")
+        raise InvalidArgumentType(f"softmax: expected an integer causal source_offset, got {off!r}")
     off = int(off)
     if qa == ax:
         raise InvalidShape(f"softmax: causal query_tag {q!r} is the softmax axis; expected another axis")

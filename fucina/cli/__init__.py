@@ -37,7 +37,7 @@ def usage() -> str:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage())
+        print(usage(), file=sys.stdout if argv else sys.stderr)  # no command: an error
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

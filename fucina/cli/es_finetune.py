@@ -434,8 +434,13 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     try:
         run(opts, out=lambda s: print(s, flush=True))
-    except fu.FucinaError as e:
-        print(f"es-finetune: {type(e).__name__}: {e}", file=sys.stderr)
+    except SystemExit as e:  # the model resolution shared with finetune: a one-line message
+        if not isinstance(e.code, str):
+            raise
+        print(f"fucina es-finetune: {e.code.removeprefix('finetune: ')}", file=sys.stderr)
+        return 2
+    except (fu.FucinaError, OSError) as e:
+        print(f"fucina es-finetune: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -333,6 +333,9 @@ def main(argv=None) -> int:
         ap.error("expected exactly one of --out (a model) or --lora-gguf (an adapter file)")
     if args.lora_gguf is not None and (args.adapters is None or args.dtype != "verbatim"):
         ap.error("--lora-gguf writes the --adapters as they are: expected --adapters, no --dtype")
+    dst = args.out if args.out is not None else args.lora_gguf
+    if os.path.isdir(dst):
+        ap.error(f"{dst} is a directory; expected the path of the GGUF file to write")
     try:
         if args.lora_gguf is not None:
             lora_gguf(args.from_gguf, args.lora_gguf, args.adapters, args.alpha)
@@ -340,7 +343,7 @@ def main(argv=None) -> int:
             export(args.from_gguf, args.out, args.dtype, adapters=args.adapters,
                    alpha=args.alpha)
     except (fu.FucinaError, ValueError, OSError) as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        print(f"fucina export: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -918,6 +918,13 @@ def run(opts: Options, out=print) -> Result:
                          "one of them")
     if opts.tiny and opts.model is not None:
         raise SystemExit("finetune: --tiny builds its own model; expected no --model with it")
+    if opts.rank < 1 or opts.seq_max < 1 or (opts.threads is not None and opts.threads < 1):
+        raise SystemExit(f"finetune: expected --rank >= 1, --seq-max >= 1 and --threads >= 1, "
+                         f"got {opts.rank}, {opts.seq_max}, {opts.threads}")
+    if not (math.isfinite(opts.alpha) and opts.alpha > 0) or not (math.isfinite(opts.lr)
+                                                                  and opts.lr >= 0):
+        raise SystemExit(f"finetune: expected a finite --alpha > 0 and a finite --lr >= 0, got "
+                         f"{opts.alpha:g}, {opts.lr:g}")
     if opts.verify_grads and (opts.export is not None or opts.load is not None):
         raise SystemExit("finetune: --verify-grads checks freshly initialised adapters instead "
                          "of training; expected it without --export and --load")
@@ -1161,12 +1168,22 @@ def parse_args(argv=None) -> Options:
 
 
 def main(argv=None) -> int:
+    """0 on success; 1 when the gradient checks or the export parity fail; 2 (one line on
+    stderr) for a bad option, a missing or corrupt file, or an error the run refuses."""
     opts = parse_args(argv)
     try:
         run(opts, out=_print)
     except (GradVerificationFailed, ExportParityMismatch) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except SystemExit as e:  # run()'s own option checks: a one-line message
+        if not isinstance(e.code, str):
+            raise
+        print(f"fucina {e.code}", file=sys.stderr)
+        return 2
+    except (fu.FucinaError, OSError) as e:
+        print(f"fucina finetune: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

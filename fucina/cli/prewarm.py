@@ -360,7 +360,11 @@ def main(argv=None) -> int:
     if a.jobs < 1:
         ap.error("--jobs must be at least 1")
     paths = manifest_paths(a.workload, a.manifest)
-    lines = read_manifests(paths)
+    try:
+        lines = read_manifests(paths)
+    except OSError as e:
+        print(f"prewarm: cannot read a manifest: {e}", file=sys.stderr)
+        return 1
     sources = shown(paths)
     errors = import_families()
     for mod, err in errors.items():

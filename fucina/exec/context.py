@@ -4,15 +4,17 @@ Two contexts share nothing. A context that only ever runs small ops never starts
 """
 from __future__ import annotations
 
+import numbers
 import os
 import struct
 import warnings
 
 import numpy as np
 
-from ..errors import ContextClosed, InvalidDataLength, InvalidShape
+from ..errors import (ContextClosed, InvalidArgument, InvalidArgumentType, InvalidDataLength,
+                      InvalidShape)
 from ..runtime import _rt
-from .dtypes import check, to_storage
+from .dtypes import check, checked_storage, host_array
 from .raw import MAX_RANK, RawTensor, contiguous_layout, numel
 
 
@@ -27,7 +29,7 @@ class Context:
         if threads is None:
             threads = os.cpu_count() or 1
         if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"ExecContext: expected threads >= 1 or None, got {threads!r}")
+            raise InvalidArgument(f"ExecContext: expected threads >= 1 or None, got {threads!r}")
         self.threads = threads
         self.pool = _rt.Pool()
         self._team = None
@@ -109,10 +111,13 @@ class Context:
         if self.closed:
             self.check_open("empty")
         lay = contiguous_layout(dtype, shape)
-        return RawTensor(self.pool.alloc(lay.nbytes, dtype == "f32"), lay, 0, self)
+        # an empty tensor still owns a small buffer (a whole number of any element): kernels
+        # and views take its address
+        return RawTensor(self.pool.alloc(max(lay.nbytes, 64), dtype == "f32"), lay, 0, self)
 
-    def full_raw(self, shape, value, dtype: str = "f32") -> RawTensor:
-        """A new tensor filled with `value` by the generated copy kernel (a broadcast scalar)."""
+    def full_raw(self, shape, value, dtype: str = "f32", out: RawTensor | None = None) -> RawTensor:
+        """A new tensor (or `out`) filled with `value` by the generated copy kernel (a broadcast
+        scalar)."""
         from . import elementwise as ew
 
         shape = tuple(shape)
@@ -121,19 +126,18 @@ class Context:
         one = self._constants.get(key)
         if one is None:  # a 1-element source per value, read through zero strides
             one = self._constants[key] = self.from_numpy([value], (1,), dtype, "full")
-        return ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),))
+        return ew.run(self, "copy", dtype, shape, (one.view(shape, (0,) * len(shape)),), out)
 
     def from_numpy(self, data, shape=None, dtype: str = "f32", op: str = "from_slice") -> RawTensor:
         """Copy array-like data into a new pooled tensor (the numpy I/O bridge)."""
         check(dtype, op)
-        if shape is None:
-            shape = np.shape(data)
-        arr = to_storage(data, dtype)
-        shape = tuple(shape)
+        src = host_array(data, op)
+        shape = validate_shape(src.shape if shape is None else shape, op)
+        arr = checked_storage(src, dtype, op)
         if arr.size != numel(shape):
             raise InvalidDataLength(
                 f"{op}: expected {numel(shape)} values for shape {shape}, got {arr.size}")
-        t = self.empty(validate_shape(shape, op), dtype)
+        t = self.empty(shape, dtype)
         np.frombuffer(t.buf, dtype=arr.dtype, count=arr.size)[:] = arr.reshape(-1)
         return t
 
@@ -145,7 +149,8 @@ class Context:
         return self._team
 
     def launch(self, addr: int, n_chunks: int, cost: int, *args) -> None:
-        _rt.launch(self.team_for(n_chunks, cost), addr, n_chunks, cost, *args)
+        if n_chunks:  # no chunk, no work: not even the runtime's call
+            _rt.launch(self.team_for(n_chunks, cost), addr, n_chunks, cost, *args)
 
     def team_for(self, n_chunks: int, cost: int):
         """The team when a job is worth splitting, else None (run inline on the caller)."""
@@ -180,9 +185,17 @@ INLINE_THRESHOLD = _rt.get_inline_threshold()
 
 
 def validate_shape(shape, op: str) -> tuple:
+    """A shape as a tuple of ints: integer sizes >= 0, rank <= MAX_RANK."""
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise InvalidArgumentType(f"{op}: expected a shape (a sequence of ints), got "
+                                  f"{type(shape).__name__}") from None
+    if any(isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in shape):
+        raise InvalidArgumentType(f"{op}: expected integer axis sizes, got shape {shape}")
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_RANK:
         raise InvalidShape(f"{op}: expected rank <= {MAX_RANK}, got shape {shape}")
-    if any(d < 1 for d in shape):
-        raise InvalidShape(f"{op}: expected every axis size >= 1, got shape {shape}")
+    if any(d < 0 for d in shape):
+        raise InvalidShape(f"{op}: expected every axis size >= 0, got shape {shape}")
     return shape

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..codegen.quant import FORMATS
-from ..errors import DTypeError
+from ..errors import DTypeError, InvalidArgument, InvalidArgumentType
 
 DTYPES = ("f32", "f16", "bf16", "i64", "bool")
 NUMPY = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": np.dtype(np.uint16),
@@ -33,6 +33,32 @@ def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
 
 def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
     return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def host_array(data, op: str) -> np.ndarray:
+    """Array-like construction data as numpy, refusing what is not numbers (strings, ragged
+    nesting, objects) with the op named instead of numpy's bare ValueError."""
+    try:
+        arr = np.asarray(data)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise InvalidArgumentType(f"{op}: expected numeric array-like data, got "
+                                  f"{type(data).__name__} ({e})") from None
+    if arr.dtype.kind in "OUSMmV" and not (arr.dtype.kind == "V" and arr.dtype.itemsize == 2):
+        raise InvalidArgumentType(f"{op}: expected numeric data (bool, int or float), got "
+                                  f"numpy dtype {arr.dtype}")
+    return arr
+
+
+def checked_storage(data, dtype: str, op: str) -> np.ndarray:
+    """to_storage of host_array(data): an i64 tensor refuses nan and inf (no integer holds
+    them; numpy would store an arbitrary value) and out-of-range integers."""
+    arr = host_array(data, op)
+    if dtype == "i64" and arr.dtype.kind == "f" and arr.size and not np.all(np.isfinite(arr)):
+        raise InvalidArgument(f"{op}: expected finite values for an i64 tensor, got nan or inf")
+    try:
+        return to_storage(arr, dtype)
+    except OverflowError as e:
+        raise InvalidArgument(f"{op}: a value does not fit dtype {dtype} ({e})") from None
 
 
 def to_storage(data, dtype: str) -> np.ndarray:

@@ -197,6 +197,8 @@ def run(ctx, op: str, out_dtype: str, shape, operands, out: RawTensor | None = N
     (zero strides where it broadcasts) or a Python scalar (a by-value parameter).
     Plans are remembered per interned layout, so a repeated call is a lookup and a launch."""
     shape = tuple(shape)
+    if 0 in shape:  # no elements: no plan, no launch
+        return _run_empty(ctx, op, out_dtype, shape, out)
     key = (op, out_dtype, shape, None if out is None else out.lay,
            *[x.lay if type(x) is RawTensor else _PARAM for x in operands])
     plan = _runs.get(key)
@@ -206,13 +208,23 @@ def run(ctx, op: str, out_dtype: str, shape, operands, out: RawTensor | None = N
     if ctx.closed:
         ctx.check_open(op)
     if out is None:
-        out = RawTensor(ctx.pool.alloc(lay.nbytes, out_dtype == "f32"), lay, 0, ctx)
+        out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), out_dtype == "f32"), lay, 0, ctx)
     elif out.buf.readonly:  # the kernel's store would fault
         raise ReadOnlyStorage(f"{op}: expected a writable destination, got read-only storage "
                               f"(a GGUF mapping or read-only array); copy it first with to()")
     ctx.launch(addr, n_chunks, cost, out.addr,
                *[x.addr if type(x) is RawTensor else _param_bits(x, out_dtype) for x in operands],
                *tail)
+    return out
+
+
+def _run_empty(ctx, op, out_dtype, shape, out):
+    if ctx.closed:
+        ctx.check_open(op)
+    if out is None:
+        return ctx.empty(shape, out_dtype)
+    if out.shape != shape or out.dtype != out_dtype:
+        raise ShapeMismatch(f"{op}: expected out of shape {shape} {out_dtype}, got {out.shape} {out.dtype}")
     return out
 
 

@@ -113,7 +113,9 @@ def gather(ctx, x: RawTensor, axis: int, idx: RawTensor, *, rows: bool, op: str,
         plan = _gathers[pk] = _gather_plan(x, axis, idx, rows)
     lay, addr, n_chunks, cost, tail, N = plan
     pool = ctx.pool
-    out = RawTensor(pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+    out = RawTensor(pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
+    if not n_chunks:  # no index: an empty result
+        return out
     flag = pool.alloc(8, False, True)
     ctx.launch(addr, n_chunks, cost, x.addr, out.addr, idx.addr, flag.addr, *tail)
     if _FLAG.unpack_from(flag)[0]:
@@ -131,13 +133,13 @@ def _gather_plan(x: RawTensor, axis: int, idx: RawTensor, rows: bool):
     lay = contiguous_layout(x.dtype, x.shape[:axis] + (J,) + x.shape[axis + 1:])
     cost = lay.numel * (2 * lay.itemsize + (0 if rows else 8))
     if B == 1:
-        jb = min(J, JBLOCK)
+        jb = max(1, min(J, JBLOCK))  # J == 0: no block, no chunk
         per = max(1, WORK_PER_CHUNK // jb)
         row = N * lay.itemsize  # prefetched ahead when short and covered by the indices
         pf = row if dN == 1 and row <= PREFETCH_ROW_BYTES and row <= 64 * J else 0
         return (lay, _kernel(GatherScatterKey, "gather", x.dtype, "j", rows, dN == 1),
                 -(-(A * -(-J // jb)) // per), cost, (A, N, J, 1, dA, dN, J, 1, per, jb, pf), N)
-    per = max(1, WORK_PER_CHUNK // B)
+    per = max(1, WORK_PER_CHUNK // max(B, 1))
     return (lay, _kernel(GatherScatterKey, "gather", x.dtype, "b", rows), -(-(A * J) // per), cost,
             (A, N, J, B, dA, dN, J * B, B, per), N)
 
@@ -154,6 +156,8 @@ def put(ctx, dst: RawTensor, axis: int, idx: RawTensor, src: RawTensor | None, m
         raise DTypeError(f"{op}: accumulation is defined for {ADD_DTYPES}, got {dst.dtype}")
     A, N, B = numel(dst.shape[:axis]), dst.shape[axis], numel(dst.shape[axis + 1:])
     J = idx.shape[0] if rows else idx.shape[axis]
+    if A * J * B == 0:  # no index and no element to put: no launch
+        return
     idx = ew.materialize(ctx, idx)
     src_addr = 0
     if src is not None:
@@ -218,6 +222,8 @@ def copy(ctx, r: RawTensor) -> RawTensor:
 
 def copy_into(ctx, dst: RawTensor, src: RawTensor) -> None:
     """dst (a view) = src (a view of the same shape and dtype)."""
+    if dst.numel == 0:
+        return
     plan = _block_plan(dst, src)
     if plan is None:
         ew.run(ctx, "copy", dst.dtype, dst.shape, (src,), out=dst)
@@ -231,6 +237,8 @@ def copy_into(ctx, dst: RawTensor, src: RawTensor) -> None:
 
 def fill(ctx, dst: RawTensor, value) -> None:
     """Every element of the view `dst` = value (rounded to its dtype as a store would)."""
+    if dst.numel == 0:
+        return
     plan = _block_plan(dst, None)
     if plan is None:
         one = ctx.from_numpy([value], (1,), dst.dtype)
@@ -278,6 +286,9 @@ def assemble(ctx, shape, dtype: str, axis: int, pieces) -> RawTensor:
     """A new tensor laid out along `axis` from consecutive pieces: (RawTensor, n) copies a view
     of n positions, (number, n) fills them. Tensor-only pieces whose rows are contiguous are
     joined in one launch; otherwise piece by piece."""
+    if 0 in shape:
+        return ctx.empty(shape, dtype)
+    pieces = [(p, n) for p, n in pieces if n]  # an empty piece adds nothing
     if all(isinstance(p, RawTensor) or n == 0 for p, n in pieces):
         pieces = [p for p, n in pieces if n]
         lay = contiguous_layout(dtype, shape)
@@ -312,7 +323,9 @@ def join_plan(out, axis: int, lays):
     the contiguous layout `out` in one launch, or False when a piece's rows are not contiguous.
     out is seen as rows [A, RW bytes], piece p as rows [A, n_p * B] at some row stride: the
     piece table's fixed part (row stride, offset, width in bytes per piece) is worked out here,
-    only the pieces' addresses come per call."""
+    only the pieces' addresses come per call. Empty pieces or result: False (assemble skips them)."""
+    if 0 in out.shape or any(0 in lay.shape for lay in lays):
+        return False
     A, isz = numel(out.shape[:axis]), out.itemsize
     fixed, off = [], 0
     for lay in lays:
@@ -335,7 +348,7 @@ def join(ctx, plan, pieces) -> RawTensor:
     A few pieces pass their table in the argument block, more fill a table buffer."""
     lay, addr, n_chunks, cost, grid, fixed, table = plan
     pool = ctx.pool
-    out = RawTensor(pool.alloc(lay.nbytes, lay.dtype == "f32"), lay, 0, ctx)
+    out = RawTensor(pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
     if table is None:
         ctx.launch(addr, n_chunks, cost, out.addr, *grid, 0, *[p.addr for p in pieces], *fixed)
     else:

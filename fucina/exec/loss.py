@@ -10,7 +10,7 @@ WORK_PER_CHUNK = 1 << 15
 
 
 def _per(K: int) -> int:
-    return max(1, WORK_PER_CHUNK // K)
+    return max(1, WORK_PER_CHUNK // max(K, 1))
 
 
 def ce_forward(ctx, x, labels, eps: float):

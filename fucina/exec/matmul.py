@@ -98,6 +98,8 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
          accumulate: bool = False) -> RawTensor:
     """c[*batch, M, N] = a[*batch, M, K] · b[*batch, K, N] (f32 accumulate); into `out` if given;
     with accumulate=True, out += a·b — one final rounding per element after the full k-sum."""
+    if 0 in a.lay.shape or 0 in b.lay.shape:
+        return _gemm_empty(ctx, a, b, out, accumulate)
     try:
         plan = _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate)]
     except (KeyError, AttributeError):
@@ -125,6 +127,22 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
                 ao += i * ast[d]
                 bo += i * bst[d]
             run_plan(ctx, plan, a, b, out, ao * 4, bo * b.lay.itemsize, idx * inner * 4)
+    return out
+
+
+def _gemm_empty(ctx, a, b, out, accumulate):
+    """No launch: an empty result, or (K == 0, a sum of no products) zeros, or out unchanged
+    when accumulating nothing."""
+    op = "add_dot" if accumulate else "matmul"
+    shape = _check(op, a, b, out)
+    if accumulate and out is None:
+        raise ValueError(f"{op}: accumulate=True needs out= (the tensor to add to)")
+    if ctx.closed:
+        ctx.check_open(op)
+    if out is None:
+        return ctx.empty(shape) if 0 in shape else ctx.full_raw(shape, 0.0)
+    if not accumulate and 0 not in shape:
+        ctx.full_raw(shape, 0.0, out=out)
     return out
 
 

@@ -19,7 +19,7 @@ WORK_PER_CHUNK = 1 << 15
 
 
 def _per(K: int) -> int:
-    return max(1, WORK_PER_CHUNK // K)
+    return max(1, WORK_PER_CHUNK // max(K, 1))
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ def forward(ctx, spec: NormSpec, x: RawTensor, w=None, b=None, residual=None):
     mean = ctx.empty((R,), "f32") if spec.center else None
     inv = ctx.empty((R,), "f32")
     std = ctx.empty((R,), "f32") if spec.eps_mode == "outside" else None
+    if R * K == 0:  # nothing to normalise (the statistics are never read): no launch
+        return out, NormStats(mean, inv, std)
     per = _per(K)
     ctx.launch(kernels.get(key), -(-R // per), R * K * 4 * (3 if residual is not None else 2),
                x.addr, out.addr, _a(w), _a(b), _a(residual), _a(mean), inv.addr, _a(std),
@@ -77,6 +79,10 @@ def backward(ctx, spec: NormSpec, x: RawTensor, g: RawTensor, stats: NormStats, 
     affine = "none" if w is None else ("wb" if has_bias else "w")
     nparts = {"none": 0, "w": 1, "wb": 2}[affine]
     key = NormKey("bwd", spec.center, affine, False, spec.eps_mode, spec.acc)
+    if R * K == 0:  # no row contributes: an empty dx, zero parameter gradients
+        want = nparts if param_grads else 0
+        return (ctx.empty((R, K), "f32"), ctx.full_raw((K,), 0.0) if want else None,
+                ctx.full_raw((K,), 0.0) if want == 2 else None)
     per = _per(K)
     chunks = -(-R // per)
     dx = ctx.empty((R, K), "f32")

@@ -149,7 +149,7 @@ class RawTensor:
         return self.view(shape, strides)
 
     def narrow(self, axis: int, start: int, length: int) -> "RawTensor":
-        if not (0 <= start and length >= 1 and start + length <= self.shape[axis]):
+        if not (0 <= start and length >= 0 and start + length <= self.shape[axis]):
             raise InvalidShape(f"narrow: axis {axis} of size {self.shape[axis]}: "
                                f"expected 0 <= start and start+length <= size, got start={start} length={length}")
         shape = list(self.shape)

@@ -6,12 +6,14 @@ length depends on N alone; the partials are reduced by a second launch of the sa
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..codegen import kernels
 from ..codegen.reduce import BLOCK, ArgKey, FinishKey, ReduceKey, SegSpreadKey, acc_dtype
 from ..codegen.target import host
-from ..errors import DTypeError, ShapeMismatch
+from ..errors import DTypeError, InvalidShape, ShapeMismatch
 from .elementwise import CHUNK, f32_bits, materialize, run
 from .dtypes import ITEMSIZE
 from .raw import RawTensor, contiguous_strides, numel
@@ -97,11 +99,13 @@ def reduce_axis(ctx, op: str, x: RawTensor, axis: int, mean: bool = False, *, pr
     "div" by `divisor` or "sqrt", applied once to the final value. mask: same shape as x;
     falsy elements contribute the identity."""
     check_dtype(op, x)
-    x = materialize(ctx, x)
     A, N, B = _dims(x, axis)
     out_shape = x.shape[:axis] + x.shape[axis + 1:]
     if mean:
         post, divisor = "div", float(N)
+    if A * N * B == 0:
+        return _reduce_empty(ctx, op, x, axis, out_shape, post, 1.0 if divisor is None else divisor)
+    x = materialize(ctx, x)
     if mask is not None:
         check_mask(op, x, mask)
         mask = materialize(ctx, mask)
@@ -120,13 +124,42 @@ def reduce_axis(ctx, op: str, x: RawTensor, axis: int, mean: bool = False, *, pr
     return part.view(out_shape, contiguous_strides(out_shape), 0)
 
 
+IDENTITY = {"sum": 0, "count": 0, "prod": 1}
+
+
+def check_nonempty(op: str, x: RawTensor, axis: int) -> None:
+    """max, min and their arg forms have no value over an empty axis (torch refuses them too)."""
+    if x.shape[axis] == 0:
+        raise InvalidShape(f"{op}: expected a non-empty axis to reduce, got size 0 "
+                           f"(axis {axis} of shape {x.shape})")
+
+
+def _reduce_empty(ctx, op, x, axis, out_shape, post, divisor) -> RawTensor:
+    """A reduction with no work: an empty result, or (over an empty axis) the identity — a sum
+    of nothing is 0, a product 1, and a mean 0/0 = nan."""
+    if op not in IDENTITY:
+        check_nonempty(op, x, axis)
+    acc = acc_dtype(op, x.dtype)
+    if 0 in out_shape:
+        return ctx.empty(out_shape, acc)
+    v = IDENTITY[op]
+    if post == "div":
+        v = v / divisor if divisor else math.nan
+    elif post == "sqrt":
+        v = math.sqrt(v)
+    return ctx.full_raw(out_shape, v, acc)
+
+
 def variance(ctx, x: RawTensor, axis: int, ddof: int) -> tuple[RawTensor, RawTensor]:
     """(Σ(x − μ)²/(n − ddof), μ) over `axis`: μ = Σx/n, then the deviations — two passes in a
     fixed order. An unsplit inner lane runs both in one kernel (it re-reads the lane from
     cache); otherwise μ is a launch of its own. The bits are the same either way."""
     check_dtype("max", x, "variance")  # floats only
-    x = materialize(ctx, x)
     A, N, B = _dims(x, axis)
+    if N == 0:  # torch: nan (0/0) per lane
+        mu = reduce_axis(ctx, "sum", x, axis, mean=True)
+        return mu, mu
+    x = materialize(ctx, x)
     divisor = float(N - ddof)
     if B == 1 and _seg_len(A, N, B) == N:
         return reduce_axis(ctx, "sum", x, axis, pre="dev2mean", post="div", divisor=divisor), None
@@ -187,12 +220,15 @@ def arg_extreme(ctx, op: str, x: RawTensor, axis: int, mask: RawTensor | None = 
                 absval: bool = False) -> RawTensor:
     """i64 index along `axis` of the first max (op="max") or min; NaN counts as the extreme.
     With a mask only selected elements count (-1 where none is); absval compares |x|."""
-    x = materialize(ctx, x)
-    if mask is not None:
-        mask = materialize(ctx, mask)
+    check_nonempty(f"arg{op}", x, axis)
     A, N, B = _dims(x, axis)
     out_shape = x.shape[:axis] + x.shape[axis + 1:]
     out = ctx.empty(out_shape, "i64")
+    if A * B == 0:
+        return out
+    x = materialize(ctx, x)
+    if mask is not None:
+        mask = materialize(ctx, mask)
     W = host().f32_lanes
     items = A * -(-B // W)
     per = max(1, WORK_PER_CHUNK // (N * min(B, W)))

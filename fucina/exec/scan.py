@@ -26,6 +26,8 @@ def scan(ctx, op: str, x: RawTensor, axis: int, *, reverse: bool = False, p1: Ra
     decay already shifted: a[t] = decay[t+1], a[N-1] = 0), or y and g of cumprod_grad."""
     if x.dtype != "f32":
         raise DTypeError(f"{op}: expected an f32 tensor, got {x.dtype}")
+    if x.numel == 0:  # no lane to scan
+        return ctx.empty(x.shape, "f32")
     x = materialize(ctx, x)
     p1 = materialize(ctx, p1) if p1 is not None else None
     p2 = materialize(ctx, p2) if p2 is not None else None

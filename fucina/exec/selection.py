@@ -12,6 +12,7 @@ from ..codegen import kernels
 from ..codegen.selection import INSERT_MAX, SelectGradKey, SelectKey, SortKey
 from ..codegen.target import host
 from ..errors import IndexOutOfBounds, InvalidShape
+from .reduce import check_nonempty
 from .elementwise import materialize
 from .raw import RawTensor, numel
 
@@ -44,9 +45,12 @@ def check_k(op: str, k: int, n: int, tag: str) -> None:
 
 def argmax(ctx, x: RawTensor, axis: int) -> RawTensor:
     """i64 index of the first maximum along `axis` (NaN never wins; see codegen/selection.py)."""
-    x = materialize(ctx, x)
     A, N, B = dims(x.shape, axis)
+    check_nonempty("argmax", x, axis)
     out = ctx.empty(x.shape[:axis] + x.shape[axis + 1:], "i64")
+    if A * B == 0:
+        return out
+    x = materialize(ctx, x)
     rows, items, per, chunks = _grid(A, N, B)
     ctx.launch(kernels.get(SelectKey("argmax", x.dtype, rows)), chunks, x.numel * x.lay.itemsize,
                x.addr, out.addr, A, N, B, per)
@@ -58,6 +62,8 @@ def top_k(ctx, x: RawTensor, axis: int, k: int) -> tuple[RawTensor, RawTensor]:
     x = materialize(ctx, x)
     A, N, B = dims(x.shape, axis)
     shape = x.shape[:axis] + (k,) + x.shape[axis + 1:]
+    if A * B == 0:  # no rows: nothing to select
+        return ctx.empty(shape, x.dtype), ctx.empty(shape, "i64")
     if k > INSERT_MAX:
         return _sort(ctx, x, A, N, B, True, k, "topk", shape)
     values, indices = ctx.empty(shape, x.dtype), ctx.empty(shape, "i64")
@@ -71,6 +77,8 @@ def sort(ctx, x: RawTensor, axis: int, descending: bool) -> tuple[RawTensor, Raw
     """(values, i64 source indices), x's shape; NaN last in either direction."""
     x = materialize(ctx, x)
     A, N, B = dims(x.shape, axis)
+    if x.numel == 0:
+        return ctx.empty(x.shape, x.dtype), ctx.empty(x.shape, "i64")
     return _sort(ctx, x, A, N, B, descending, N, "sort", x.shape)
 
 
@@ -96,6 +104,8 @@ def select_grad(ctx, g: RawTensor, indices: RawTensor, axis: int, n: int) -> Raw
     A, k, B = dims(indices.shape, axis)
     shape = indices.shape[:axis] + (n,) + indices.shape[axis + 1:]
     dx = ctx.empty(shape, "f32")
+    if dx.numel == 0:
+        return dx
     per = max(1, WORK_PER_CHUNK // (n * B + k * B))
     ctx.launch(kernels.get(SelectGradKey()), -(-A // per), (n + 2 * k) * B * A * 4,
                g.addr, indices.addr, dx.addr, A, n, k, B, per)

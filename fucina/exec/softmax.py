@@ -6,6 +6,8 @@ the thread count.
 """
 from __future__ import annotations
 
+import math
+
 from ..codegen import kernels
 from ..codegen.softmax import MASK_DIMS, SoftmaxKey
 from .elementwise import f32_bits, run
@@ -15,7 +17,7 @@ WORK_PER_CHUNK = 1 << 15
 
 
 def _per(K: int) -> int:
-    return max(1, WORK_PER_CHUNK // K)
+    return max(1, WORK_PER_CHUNK // max(K, 1))
 
 
 def _inner(shape, pos: int) -> int:
@@ -51,6 +53,8 @@ def softmax(ctx, x: RawTensor, outer_shape, scale: float, mask=None, slopes=None
     causal: (position of the query axis in outer_shape, source offset) or None."""
     R, K = x.shape
     out = ctx.empty((R, K), "f32")
+    if R * K == 0:  # nothing to normalise: no launch
+        return out
     geo = [0] * (3 * MASK_DIMS)
     mdt, mcol, maddr = "none", "unit", 0
     if mask is not None:
@@ -82,6 +86,8 @@ def _rows_op(ctx, op: str, out_shape, x_shape, bytes_per, ins, after) -> RawTens
     """Launch a plain row kernel: argument block = the inputs' addresses, the new output's,
     rows, row length, `after`, rows per chunk."""
     R, K = x_shape
+    if R * K == 0:  # no launch; the log of an empty sum (logsumexp over K == 0) is -inf
+        return ctx.empty(out_shape, "f32") if 0 in out_shape else ctx.full_raw(out_shape, -math.inf)
     out = ctx.empty(out_shape, "f32")
     per = _per(K)
     ctx.launch(kernels.get(SoftmaxKey(op)), -(-R // per), R * K * bytes_per,

@@ -45,7 +45,7 @@ class StateBuf:
         self.raw = None
         if n:
             lay = contiguous_layout(self.dtype.name, (n,))
-            self.raw = RawTensor(ctx.pool.alloc(lay.nbytes, self.dtype == StateDType.f32, True),
+            self.raw = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), self.dtype == StateDType.f32, True),
                                  lay, 0, ctx)
 
     @property
