@@ -41,8 +41,24 @@ def binary(op: str, x, y, tags, shape, vx, vy):
     ctx = vx.ctx
     dtype = ew.compute_dtype_of(op, (vx.dtype, vy.dtype))
     out = ew.run(ctx, op, dtype, shape, (vx, vy))
-    saved = (op, ctx, tags, shape, vx, vy, out, x.tags, x._raw.shape, y.tags, y._raw.shape)
-    return finish_op(op, out, tags, (x, y), lambda needs: functools.partial(binary_grads, saved, needs))
+    return finish_op(op, out, tags, (x, y), lambda needs: functools.partial(
+        binary_grads, (op, ctx, tags, shape, *kept(op, vx, vy, out, needs), x.tags, x._raw.shape,
+                       y.tags, y._raw.shape), needs))
+
+
+def kept(op: str, vx, vy, out, needs) -> tuple:
+    """(x, y, out) as binary_grads reads them for these needs, None for the rest: a saved
+    tensor stays alive until the backward, so an add keeps nothing and a mul only the other
+    operand of each gradient it owes."""
+    if op in ("add", "sub"):
+        return None, None, None
+    if op == "mul":
+        return (vx if needs[1] else None), (vy if needs[0] else None), None
+    if op == "div":
+        return (vx if needs[1] else None), vy, None
+    if op == "pow":
+        return vx, vy, (out if needs[1] else None)
+    return vx, vy, None
 
 
 def binary_grads(saved, needs, g):
@@ -78,24 +94,30 @@ def with_scalar(op: str, x, s: float, reflected: bool):
     operands = (s, r) if reflected else (r, s)
     out = ew.run(ctx, op, dtype, r.shape, operands)
 
+    # what the rule reads, and nothing else: the closure keeps it alive until the backward
+    shape = r.shape
+    xr = r if (op == "div" and reflected) or (op == "pow" and not reflected) \
+        or op in ("maximum", "minimum") else None
+    y = out if op == "pow" and reflected else None
+
     def vjp(needs):
         def run(g):
             if op == "add":
                 return (g,)
             if op == "sub":
-                return (ew.run(ctx, "neg", "f32", r.shape, (g,)) if reflected else g,)
+                return (ew.run(ctx, "neg", "f32", shape, (g,)) if reflected else g,)
             if op == "mul":
-                return (ew.run(ctx, "mul", "f32", r.shape, (g, s)),)
+                return (ew.run(ctx, "mul", "f32", shape, (g, s)),)
             if op == "div":
                 if reflected:  # d(s/x) = -s/x^2
-                    return (ew.run(ctx, "div_grad_b", "f32", r.shape, (g, s, r)),)
-                return (ew.run(ctx, "div", "f32", r.shape, (g, s)),)
+                    return (ew.run(ctx, "div_grad_b", "f32", shape, (g, s, xr)),)
+                return (ew.run(ctx, "div", "f32", shape, (g, s)),)
             if op == "pow":
                 if reflected:  # d(s^x) = ln(s) s^x
-                    return (ew.run(ctx, "pow_grad_exp", "f32", r.shape, (g, s, out)),)
-                return (ew.run(ctx, "pow_grad_base", "f32", r.shape, (g, r, s)),)
+                    return (ew.run(ctx, "pow_grad_exp", "f32", shape, (g, s, y)),)
+                return (ew.run(ctx, "pow_grad_base", "f32", shape, (g, xr, s)),)
             if op in ("maximum", "minimum"):  # symmetric: a tie splits g/2 either way
-                return (ew.run(ctx, op + "_grad", "f32", r.shape, (g, r, s)),)
+                return (ew.run(ctx, op + "_grad", "f32", shape, (g, xr, s)),)
             raise AssertionError(f"{op} has no scalar backward rule")
         return run
 
@@ -168,10 +190,10 @@ class ElementwiseMethods:
                     return self._binary_slow(op, other, reflected)
                 va = a if la is None else RawTensor(a.buf, la, a.offset, ctx)
                 vb = b if lb is None else RawTensor(b.buf, lb, b.offset, ctx)
-                saved = (op, ctx, tags, lay.shape, va, vb, out, self.tags, a.lay.shape,
-                         other.tags, b.lay.shape)
-                node = engine.Node(op, (na, nb), functools.partial(
-                    binary_grads, saved, (na is not None, nb is not None)))
+                needs = (na is not None, nb is not None)
+                saved = (op, ctx, tags, lay.shape, *kept(op, va, vb, out, needs), self.tags,
+                         a.lay.shape, other.tags, b.lay.shape)
+                node = engine.Node(op, (na, nb), functools.partial(binary_grads, saved, needs))
         elif type(other) is float or type(other) is int:
             p = _PLANS.get((op, a.lay, reflected, self.tags, type(other)))
             if p is None or ctx.closed or (self._node is not None and not engine._mode.disabled):
