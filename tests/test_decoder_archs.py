@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import real_models
 import torch
 
 import fucina as fu
@@ -344,15 +345,12 @@ def test_es_full_mode_perturbs_the_biases(tiny, ctx1):
 # ---------------------------------------------------------------------------------------------
 # the real files
 
-REAL = {"qwen2": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "gemma3": "gemma-3-270m-q4_k_m.gguf"}
 PROMPT = "The Eiffel Tower is located in the city of"
 
 
 def real(name):
-    path = Path(os.environ.get("FUCINA_MODELS_DIR", ROOT / "build" / "models")) / REAL[name]
-    if not path.is_file():
-        pytest.skip(f"{path} is absent (issue 17 names the registry packages that hold it)")
-    return str(path)
+    """The real file of `name` (tests/real_models.py), or skip naming `make models`."""
+    return str(real_models.require(name))
 
 
 def hf_prompt(path, arch):
