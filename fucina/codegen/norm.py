@@ -223,7 +223,7 @@ def _backward(key, b, args, c0, c1):
 
 
 # ---------------------------------------------------------------------------------------------
-# group_norm over [time, channel], read in place
+# group_norm over [*batch, time, channel], read in place
 
 # the pointers that advance with the batch item, by their per-item stride: None the data's T·C
 # f32, 6 and 2 that many f32 rows of C (table, coef), nq the f64 partials' nq·C
