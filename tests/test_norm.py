@@ -553,7 +553,6 @@ def test_group_norm_errors(ctx):
 def torch_batched_group_norm(G, eps, channel_first):
     """F.group_norm on [N, C, T] for x [*batch, T, C] (or [*batch, C, T])."""
     def fn(a, w=None, b=None):
-        batch = a.shape[:-2]
         xc = a if channel_first else a.transpose(-1, -2)
         y = F.group_norm(xc.reshape(-1, *xc.shape[-2:]), G, w, b, eps).reshape(xc.shape)
         return y if channel_first else y.transpose(-1, -2)
