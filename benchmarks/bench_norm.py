@@ -9,10 +9,9 @@ forward, backward with a given upstream gradient, gradients for every operand th
 * layer_norm (with weight and bias) and rms_norm (with weight) at [1024, 1024], forward +
   backward; forward-only rows for information. PyTorch's rms_norm backward is composed of
   several ops on CPU; its layer_norm is one fused kernel each way.
-* group_norm (32 groups, weight + bias) on a conv batch N 8, C 64, H = W 32: Fucina's group_norm
-  is rank-2 [time, channel] (SPEC §3.10, no batch axis), so a batch is 8 calls on [1024, 64]
-  (H·W as time); PyTorch is one F.group_norm on [8, 64, 32, 32], NCHW or channels_last
-  (the faster is reported).
+* group_norm (32 groups, weight + bias) on a conv batch N 8, C 64, H = W 32: Fucina is one
+  batched call on [8 batch, 1024 time (H·W), 64 channel] (channels contiguous); PyTorch is one
+  F.group_norm on [8, 64, 32, 32], NCHW or channels_last (the faster is reported).
 * l2_normalize over the last axis of [1024, 1024] (eps added to the squared norm, composed; its
   step runs in an exec scope): PyTorch the same formula, or F.normalize (the faster).
 * snake x + inv_b[c]·sin(alpha[c]·x)² on [1024 time, 1024 channels], gradients for x, alpha and
@@ -111,29 +110,26 @@ def _group_norm(threads: int, quick: bool) -> list[dict]:
     g = rng.standard_normal((N, C, H, W)).astype(np.float32)
     w, bvec = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
 
-    def per_sample(v):  # [N, C, H, W] -> N arrays [H·W time, C channel]
-        return [np.ascontiguousarray(v[i].reshape(C, T).T) for i in range(N)]
-
+    xs = np.ascontiguousarray(a.reshape(N, C, T).transpose(0, 2, 1))   # [N, T, C]
+    gs = np.ascontiguousarray(g.reshape(N, C, T).transpose(0, 2, 1))
+    tags = ("n", "t", "c")
     ctx = fu.ExecContext(threads=threads)
     try:
-        xs = [ctx.variable(s, ("t", "c")) for s in per_sample(a)]
-        xcs = [ctx.tensor(s, ("t", "c")) for s in per_sample(a)]
-        gs = [ctx.tensor(s, ("t", "c")) for s in per_sample(g)]
+        x, xc, gt = ctx.variable(xs, tags), ctx.tensor(xs, tags), ctx.tensor(gs, tags)
         wv, bv = ctx.variable(w, ("c",)), ctx.variable(bvec, ("c",))
         wc, bc = ctx.tensor(w, ("c",)), ctx.tensor(bvec, ("c",))
 
         def forward():
-            return [x.group_norm("c", G, eps, weight=wc, bias=bc) for x in xcs]
+            return xc.group_norm("c", G, eps, weight=wc, bias=bc)
 
         def step():
+            x.zero_grad()
             wv.zero_grad()
             bv.zero_grad()
-            for x, gx in zip(xs, gs):
-                x.zero_grad()
-                x.group_norm("c", G, eps, weight=wv, bias=bv).backward(grad=gx)
+            x.group_norm("c", G, eps, weight=wv, bias=bv).backward(grad=gt)
 
         env = {"forward": forward, "step": step}
-        shape = f"{N} × [{T} time ({H}×{W}), {C} channels] ({N} calls), {G} groups"
+        shape = f"[{N} batch, {T} time ({H}×{W}), {C} channels] (one call), {G} groups"
         cases = [
             (f"group_norm (weight + bias), forward + backward, {shape}", "step()",
              {"NCHW": "vx.grad = vw.grad = vb.grad = None; F.group_norm(vx, G, vw, vb, eps).backward(tg)",
@@ -153,7 +149,7 @@ def _group_norm(threads: int, quick: bool) -> list[dict]:
                        ux=tx.clone(memory_format=cl).requires_grad_(),
                        vw=torch.tensor(w, requires_grad=True), vb=torch.tensor(bvec, requires_grad=True))
             want = F.group_norm(tx, G, env["tw"], env["tb"], eps).numpy().reshape(N, C, T)
-            _agree("group_norm", np.stack([y.numpy() for y in forward()]), want.transpose(0, 2, 1))
+            _agree("group_norm", forward().numpy(), want.transpose(0, 2, 1))
         out = _time(threads, quick, env, cases)
         env.clear()
     finally:

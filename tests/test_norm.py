@@ -360,8 +360,8 @@ def test_group_norm_gradcheck_and_errors(ctx1):
                  abs_tol=2e-3, rel_tol=2e-2)
     with pytest.raises(fu.InvalidShape, match="equal groups"):
         x.group_norm("c", 3, 1e-5)
-    with pytest.raises(fu.InvalidShape, match="rank-2"):
-        ctx1.tensor(rand((2, 3, 4)), ("a", "t", "c")).group_norm("c", 2, 1e-5)
+    with pytest.raises(fu.InvalidShape, match="rank >= 2"):
+        ctx1.tensor(rand((4,)), ("c",)).group_norm("c", 2, 1e-5)
     with pytest.raises(fu.TagError):
         x.group_norm("c", 2, 1e-5, weight=ctx1.tensor(rand((4,)), ("d",)))
 
@@ -544,6 +544,176 @@ def test_group_norm_errors(ctx):
     with pytest.raises(fu.ContextMismatch):
         with fu.ExecContext(threads=1) as other:
             x.group_norm("c", 2, 1e-5, weight=other.ones((4,), ("c",)))
+
+
+# ---------------------------------------------------------------------------------------------
+# group_norm over a batch: [*batch, time, channel] (or [*batch, channel, time]) in one set of
+# launches, statistics per (item, group), weight and bias gradients summed over the items
+
+def torch_batched_group_norm(G, eps, channel_first):
+    """F.group_norm on [N, C, T] for x [*batch, T, C] (or [*batch, C, T])."""
+    def fn(a, w=None, b=None):
+        xc = a if channel_first else a.transpose(-1, -2)
+        y = F.group_norm(xc.reshape(-1, *xc.shape[-2:]), G, w, b, eps).reshape(xc.shape)
+        return y if channel_first else y.transpose(-1, -2)
+    return fn
+
+
+# (batch, T, C, G): one batch axis, two (a 2 x 3 grid of items), one item, a wide batch of
+# single-row items, items of several time chunks (the long sums: against float64 below)
+GN_BATCHED = [((3,), 13, 12, 3), ((2, 3), 9, 37, 1), ((1,), 40, 8, 4), ((6,), 1, 40, 5),
+              ((3,), 600, 24, 6), ((2,), 700, 100, 20)]
+
+
+@pytest.mark.parametrize("batch,T,C,G", GN_BATCHED)
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_batched_against_torch(ctx, batch, T, C, G, channel_first):
+    """Values and the gradients of x, weight and bias against torch's per-sample group norm."""
+    x = rand((*batch, T, C), 2.0, 0.5)
+    w, b = rand(C, 0.5, 1.0), rand(C)
+    a = np.ascontiguousarray(np.swapaxes(x, -1, -2)) if channel_first else x
+    btags = tuple(f"n{i}" for i in range(len(batch)))
+    tags = btags + (("c", "t") if channel_first else ("t", "c"))
+    run_both(ctx, [a, w, b], [tags, ("c",), ("c",)],
+             lambda v, wv, bv: v.group_norm("c", G, 1e-5, weight=wv, bias=bv),
+             torch_batched_group_norm(G, 1e-5, channel_first), atol=3e-5, rtol=3e-5)
+    run_both(ctx, [a], [tags], lambda v: v.group_norm("c", G, 1e-5),
+             torch_batched_group_norm(G, 1e-5, channel_first), atol=3e-5, rtol=3e-5)
+
+
+def test_group_norm_batched_parameter_gradients_against_float64(ctx):
+    """dw and db sum 4 items of 3000 rows: against float64 sums of the per-item references."""
+    N, T, C, G = 4, 3000, 16, 4
+    x, g, w, b = rand((N, T, C), 2.0, 0.5), rand((N, T, C)), rand(C, 0.5, 1.0), rand(C)
+    xv, wv, bv = ctx.variable(x, ("n", "t", "c")), ctx.variable(w, ("c",)), ctx.variable(b, ("c",))
+    xv.group_norm("c", G, 1e-5, weight=wv, bias=bv).backward(grad=ctx.tensor(g, ("n", "t", "c")))
+    refs = [group_grads_ref64(x[i], g[i], G, 1e-5, w) for i in range(N)]
+    for i in range(N):
+        np.testing.assert_allclose(xv.grad().numpy()[i], refs[i][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(wv.grad().numpy(), sum(r[1] for r in refs), rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(bv.grad().numpy(), sum(r[2] for r in refs), rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_batched_gradcheck(ctx1, channel_first):
+    tags = ("n", "c", "t") if channel_first else ("n", "t", "c")
+    x = ctx1.variable(rand((2, 6, 4) if channel_first else (2, 4, 6), 1.0, 0.3), tags)
+    w, b = ctx1.variable(rand(6, 0.5, 1.0), ("c",)), ctx1.variable(rand(6), ("c",))
+    wy = ctx1.tensor(rand(x.shape), tags)
+    loss = lambda a, wv, bv: (a.group_norm("c", 3, 1e-5, weight=wv, bias=bv) * wy).sum_all()  # noqa: E731
+    res = fu.gradcheck(loss, [x, w, b], eps=1e-2, abs_tol=2e-3, rel_tol=2e-2)
+    assert res.checked == 48 + 6 + 6
+
+
+def _batched_run(c, x, g, w, b, tags, G):
+    """(y, dx, dw, db) of one batched group_norm with weight and bias."""
+    xv, wv, bv = c.variable(x, tags), c.variable(w, ("c",)), c.variable(b, ("c",))
+    y = xv.group_norm("c", G, 1e-5, weight=wv, bias=bv)
+    y.backward(grad=c.tensor(g, tags))
+    return [y.numpy(), xv.grad().numpy(), wv.grad().numpy(), bv.grad().numpy()]
+
+
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_batched_thread_invariance(ctx1, ctx2, channel_first):
+    """6 items of 2048 rows x 24 channels (2 time chunks each, 12 chunks split over the team
+    at 2 threads, the fused kernels at 1): every value and gradient bitwise equal."""
+    N, T, C = 6, 2048, 24
+    x, g, w, b = rand((N, T, C), 2.0, 1.0), rand((N, T, C)), rand(C), rand(C)
+    tags = ("n", "c", "t") if channel_first else ("n", "t", "c")
+    if channel_first:
+        x, g = np.ascontiguousarray(x.transpose(0, 2, 1)), np.ascontiguousarray(g.transpose(0, 2, 1))
+    for u, v in zip(_batched_run(ctx1, x, g, w, b, tags, 6), _batched_run(ctx2, x, g, w, b, tags, 6)):
+        assert_bitwise(u, v)
+
+
+@pytest.mark.parametrize("channel_first", [False, True])
+def test_group_norm_item_alone_equals_item_in_batch(ctx, channel_first):
+    """An item's y and dx are bitwise those of the item alone (rank-2 and as a batch of one);
+    a batch of one gives the rank-2 call's dw and db bitwise."""
+    N, T, C, G = 5, 3000, 20, 5
+    x, g, w, b = rand((N, T, C), 2.0, 1.0), rand((N, T, C)), rand(C), rand(C)
+    tags = ("n", "c", "t") if channel_first else ("n", "t", "c")
+    if channel_first:
+        x, g = np.ascontiguousarray(x.transpose(0, 2, 1)), np.ascontiguousarray(g.transpose(0, 2, 1))
+    y, dx, _, _ = _batched_run(ctx, x, g, w, b, tags, G)
+    for i in (0, 3, N - 1):
+        alone = _batched_run(ctx, x[i], g[i], w, b, tags[1:], G)
+        one = _batched_run(ctx, x[i:i + 1], g[i:i + 1], w, b, tags, G)
+        assert_bitwise(y[i], alone[0])
+        assert_bitwise(dx[i], alone[1])
+        for u, v in zip(one, alone):
+            assert_bitwise(u[0] if u.ndim == 3 else u, v)
+
+
+def test_group_norm_batched_strided_inputs(ctx):
+    """A batch with its last two axes transposed runs in place on its memory order; permuted
+    batch axes (and batch last in memory) are copied first; values and gradients as torch's."""
+    base = rand((3, 24, 40), 1.5, 0.2)                     # memory [N, C, T] tagged (n, c, t)
+    x = ctx.variable(base, ("n", "c", "t"))
+    y = x.permute(("n", "t", "c")).group_norm("c", 6, 1e-5)
+    t = torch.tensor(base, requires_grad=True)
+    ty = F.group_norm(t, 6, None, None, 1e-5).transpose(1, 2)
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=2e-5, atol=2e-5)
+    g = rand((3, 40, 24))
+    y.backward(grad=ctx.tensor(g, ("n", "t", "c")))
+    ty.backward(torch.from_numpy(g))
+    np.testing.assert_allclose(x.grad().numpy(), t.grad.numpy(), rtol=2e-5, atol=2e-5)
+    mem = rand((2, 3, 10, 8), 1.0, 0.4)                    # [a, b, T, C]; batch order (b, a)
+    z = ctx.variable(mem, ("a", "b", "t", "c"))
+    yz = z.permute(("b", "a", "t", "c")).group_norm("c", 4, 1e-5)
+    tz = torch.tensor(mem, requires_grad=True)
+    tyz = torch_batched_group_norm(4, 1e-5, False)(tz.permute(1, 0, 2, 3))
+    np.testing.assert_allclose(yz.numpy(), tyz.detach().numpy(), rtol=2e-5, atol=2e-5)
+    gz = rand((3, 2, 10, 8))
+    yz.backward(grad=ctx.tensor(gz, ("b", "a", "t", "c")))
+    tyz.backward(torch.from_numpy(gz))
+    np.testing.assert_allclose(z.grad().numpy(), tz.grad.numpy(), rtol=2e-5, atol=2e-5)
+    tail = rand((10, 8, 3), 1.0, 0.4)                      # memory [T, C, N]: batch innermost
+    u = ctx.tensor(tail, ("t", "c", "n")).permute(("n", "t", "c")).group_norm("c", 2, 1e-5)
+    want = torch_batched_group_norm(2, 1e-5, False)(torch.from_numpy(tail).permute(2, 0, 1))
+    np.testing.assert_allclose(u.numpy(), want.numpy(), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 7, 4), (3, 0, 4), (2, 0, 3, 4)])
+def test_group_norm_empty_batch_or_time(ctx, shape, monkeypatch):
+    """Empty work: an empty y, zero weight and bias gradients (filled), no group_norm kernel
+    looked up or launched."""
+    from fucina.exec import norm as exn
+
+    def refuse(*fields):
+        raise AssertionError(f"group_norm kernel {fields} for empty work")
+    tags = tuple(f"n{i}" for i in range(len(shape) - 2)) + ("t", "c")
+    xv, wv, bv = ctx.variable(np.zeros(shape, np.float32), tags), ctx.variable(rand(4), ("c",)), \
+        ctx.variable(rand(4), ("c",))
+    monkeypatch.setattr(exn, "_group_kernel", refuse)
+    y = xv.group_norm("c", 2, 1e-5, weight=wv, bias=bv)
+    y.backward(grad=ctx.zeros(shape, tags))
+    assert y.shape == shape and xv.grad().shape == shape
+    assert (wv.grad().numpy() == 0).all() and (bv.grad().numpy() == 0).all()
+
+
+def test_group_norm_batched_errors(ctx):
+    x = ctx.tensor(rand((2, 6, 4)), ("n", "t", "c"))
+    with pytest.raises(fu.TagError, match=r"group_norm: .*channel tag 'c' among the last two"):
+        ctx.tensor(rand((4, 2, 6)), ("c", "n", "t")).group_norm("c", 2, 1e-5)
+    with pytest.raises(fu.InvalidShape, match="rank >= 2"):
+        ctx.tensor(rand((4,)), ("c",)).group_norm("c", 2, 1e-5)
+    with pytest.raises(fu.InvalidShape, match="4 channels do not split into 3"):
+        x.group_norm("c", 3, 1e-5)
+    with pytest.raises(fu.TagError, match=r"group_norm: expected weight tagged \('c',\)"):
+        x.group_norm("c", 2, 1e-5, weight=ctx.tensor(rand((2, 4)), ("n", "c")))
+    with pytest.raises(fu.TagError, match="bias"):
+        x.group_norm("c", 2, 1e-5, bias=ctx.tensor(rand(2), ("n",)))
+    with pytest.raises(fu.ShapeMismatch, match="weight of length 4"):
+        x.group_norm("c", 2, 1e-5, weight=ctx.tensor(rand(2), ("c",)))
+    with pytest.raises(fu.TagError):
+        x.group_norm("m", 2, 1e-5)
+    v = ctx.variable(rand((2, 6, 4)), ("n", "t", "c"))
+    y = v.group_norm("c", 2, 1e-5)
+    with pytest.raises(fu.FucinaError, match="backward"):
+        y.backward(grad=ctx.tensor(rand((3, 6, 4)), ("n", "t", "c")))
+    with pytest.raises(fu.FucinaError, match="backward"):
+        y.backward(grad=ctx.tensor(rand((2, 6, 4)), ("m", "t", "c")))
 
 
 # ---------------------------------------------------------------------------------------------

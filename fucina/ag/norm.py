@@ -6,7 +6,8 @@ One fused row kernel per direction: the forward saves per-row statistics (mean, 
 std for eps outside the sqrt), the backward is one pass per row plus the weight/bias sums over
 rows (per-chunk partials over a fixed row grid, folded in chunk order). Rows are laid out as in
 ag/softmax.py: the normalized axis last and contiguous. group_norm has its own kernels that
-read [time, channel] in place (statistics, then one normalize + affine pass; backward likewise).
+read [*batch, time, channel] in place (statistics, then one normalize + affine pass; backward
+likewise), the whole batch in one set of launches.
 """
 from __future__ import annotations
 
@@ -90,47 +91,65 @@ def _grads(saved, needs, g):
 
 
 def group_norm(x, channel_tag, groups, eps, weight=None, bias=None):
-    """group_norm over [time, channel] in either axis order: channels split into `groups`
-    consecutive groups, each standardized over time × C/groups (f64 statistics, biased
-    variance, eps inside the sqrt), then · weight[c] + bias[c] (each optional), in one pass
-    over x read in place (exec/norm.py, codegen/norm.py GroupNormKey)."""
+    """group_norm over [*batch, time, channel] (the last two axes in either order): per batch
+    item, channels split into `groups` consecutive groups, each standardized over time ×
+    C/groups (f64 statistics, biased variance, eps inside the sqrt), then · weight[c] +
+    bias[c] (each optional, shared by the items), the whole batch in one set of launches over
+    x read in place (exec/norm.py, codegen/norm.py GroupNormKey)."""
     op = "group_norm"
     r = x._live(op)
     ctx = r.ctx
-    if r.rank != 2:
-        raise InvalidShape(f"{op}: expected a rank-2 [time, channel] tensor, got shape {r.shape}")
+    if r.rank < 2:
+        raise InvalidShape(f"{op}: expected a [*batch, time, channel] tensor of rank >= 2, got "
+                           f"shape {r.shape}")
     cax = axes.axis_of(x.tags, channel_tag, op)
+    if cax < r.rank - 2:
+        raise TagError(f"{op}: expected the channel tag {channel_tag!r} among the last two axes "
+                       f"(time and channel after the batch axes), got tags {x.tags}")
     _f32(op, "tensor", r)
     integral = type(groups) is int or (not isinstance(groups, bool)
                                        and isinstance(groups, numbers.Integral))
     if not integral or groups < 1:
         raise InvalidShape(f"{op}: expected groups an int >= 1, got {groups!r}")
-    C, T = r.shape[cax], r.shape[1 - cax]
+    last = cax == r.rank - 1
+    C, T = r.shape[cax], r.shape[-2 if last else -1]
     G = int(groups)
     if C % G:
         raise InvalidShape(f"{op}: {C} channels do not split into {G} equal groups")
     wr = _param(op, "weight", x, weight, channel_tag, C, True) if weight is not None else None
     br = _param(op, "bias", x, bias, channel_tag, C, True) if bias is not None else None
-    # the kernels read x's memory as it is: rows [T, C] (tc) or [C, T] (ct); a transposed
-    # contiguous x is read through its transpose (swap), any other strides are copied first
-    swap = not r.is_contiguous() and r.strides == (1, r.shape[0])
-    xr = _transposed(r) if swap else ew.materialize(ctx, r)
-    plan = exn.group_plan("tc" if (cax == 1) != swap else "ct", T, C, G, _eps(op, eps))
+    # the kernels read x's memory as it is: items of rows [T, C] (tc) or [C, T] (ct); x with
+    # its last two axes transposed over contiguous memory is read through that transpose
+    # (swap), any other strides are copied first
+    swap = not r.is_contiguous() and _swapped(r).is_contiguous()
+    xr = _swapped(r) if swap else ew.materialize(ctx, r)
+    N = _batch(r.shape)
+    plan = exn.group_plan("tc" if last != swap else "ct", N, T, C, G, _eps(op, eps))
     y, saved = exn.group_forward(ctx, plan, xr, wr, br)
 
     def grads(needs, g):
-        gk = ew.materialize(ctx, _transposed(g) if swap else g)
+        gk = ew.materialize(ctx, _swapped(g) if swap else g)
         dx, dw, db = exn.group_backward(ctx, plan, saved, xr, gk, wr, br is not None, needs[0])
         if needs[0] and swap:
-            dx = _transposed(dx)
+            dx = _swapped(dx)
         return dx, dw if needs[1] else None, db if needs[2] else None
 
-    return finish_op(op, _transposed(y) if swap else y, x.tags, (x, weight, bias),
+    return finish_op(op, _swapped(y) if swap else y, x.tags, (x, weight, bias),
                      lambda needs: functools.partial(grads, needs))
 
 
-def _transposed(r):
-    return r.view(r.shape[::-1], r.strides[::-1])
+def _swapped(r):
+    """r with its last two axes exchanged (a view)."""
+    s, st = list(r.shape), list(r.strides)
+    s[-2:], st[-2:] = s[:-3:-1], st[:-3:-1]
+    return r.view(s, st)
+
+
+def _batch(shape) -> int:
+    n = 1
+    for d in shape[:-2]:
+        n *= d
+    return n
 
 
 def _eps(op, eps) -> float:
@@ -187,10 +206,10 @@ class NormMethods:
                                                                 "half")
 
     def group_norm(self, channel_tag: str, groups: int, eps: float, weight=None, bias=None):
-        """[time, channel]: each of `groups` consecutive channel groups standardized over time
-        × C/groups (f64 statistics, biased variance, eps inside the sqrt), then · weight[c] and
-        + bias[c] when given (each optional, tagged (channel_tag,)). torch: F.group_norm on
-        the channel-first transpose."""
+        """[*batch, time, channel] (the last two axes in either order): per batch item, each
+        of `groups` consecutive channel groups standardized over time × C/groups (f64
+        statistics, biased variance, eps inside the sqrt), then · weight[c] and + bias[c] when
+        given (each optional, tagged (channel_tag,)). torch: F.group_norm on [N, C, time]."""
         return self._result(*group_norm(self, channel_tag, groups, eps, weight, bias))
 
     def l2_normalize(self, tag: str, eps: float):

@@ -21,8 +21,9 @@ accumulation="f64" (standardize_axis) keeps every row sum, the mean, the varianc
 forward's (x - mean) * inv in f64 (the saved statistics are f32; the backward's sums are f64).
 l2_normalize is the rms form with div = 1.
 
-group_norm has its own kernels (GroupNormKey, below): statistics per channel group over
-[time, channel] data read in place, one normalize + affine pass; backward likewise.
+group_norm has its own kernels (GroupNormKey, below): statistics per (batch item, channel
+group) over [item, time, channel] data read in place, one normalize + affine pass; backward
+likewise.
 
 Argument blocks
   fwd: x, out, w, b, residual, mean, inv, std, R, K, n, eps bits, div bits, rows per chunk
@@ -30,6 +31,7 @@ Argument blocks
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from llvmlite import ir
@@ -221,8 +223,12 @@ def _backward(key, b, args, c0, c1):
 
 
 # ---------------------------------------------------------------------------------------------
-# group_norm over [time, channel], read in place
+# group_norm over [*batch, time, channel], read in place
 
+# the pointers that advance with the batch item, by their per-item stride: None the data's T·C
+# f32, 6 and 2 that many f32 rows of C (table, coef), nq the f64 partials' nq·C
+ITEM_STRIDES = {"x": None, "g": None, "dx": None, "table": 6, "coef": 2, "part": "nq",
+                "part2": "nq"}
 # rows of the per-channel table the forward leaves for the backward (f32 [6, C]) and of the
 # backward's coefficients (f32 [2, C])
 MEAN_HI, MEAN_LO, INV, XOFF, SCALE, SHIFT = range(6)
@@ -246,12 +252,17 @@ def group_block(b, Cg):
 @register
 @dataclass(frozen=True)
 class GroupNormKey(KernelKey):
-    """group_norm (SPEC §3.10) on T x C data read in place, channels in G groups of Cg.
+    """group_norm (SPEC §3.10) on N items of T x C data read in place (item n at n·T·C),
+    channels in G groups of Cg; statistics per (item, group), each item on exactly the grid
+    and in exactly the order it would have alone (so an item's bits do not depend on the
+    batch).
 
     layout: tc (element (t, c) at t·C + c: vectors run across channels) or ct (at c·T + t:
     vectors run along time, one channel at a time). The data passes run over time chunks of
-    `per` rows (fixed by C); combine and grad_combine over blocks of whole groups (first the
-    block's chunk partials summed per channel, then group by group). forward, backward and
+    `per` rows (fixed by C), nq per item, N·nq in all (chunk j: item j / nq, time chunk
+    j mod nq); combine and grad_combine over blocks of whole groups, each block doing every
+    item in order (first the block's chunk partials summed per channel, then group by group).
+    The table, coefficients and partials are per item. forward, backward and
     backward_params (FUSED) run their ops in one launch, for callers that would run every
     chunk on one thread anyway.
       stats        per channel c and chunk q, in f64: Σ d and Σ d² (fused multiply-add),
@@ -265,7 +276,9 @@ class GroupNormKey(KernelKey):
       grad_sums    per channel and chunk: Σ g and Σ g·x̂, x̂ = (x - hi)·inv + xoff; g·x̂ and
                    the sums of four rows (tc) or four vectors (ct) in f32, in order, then
                    accumulated in f64
-      grad_combine per channel: db = Σ g, dw = Σ g·x̂; per group, channels in order:
+      grad_combine per channel: db = Σ g, dw = Σ g·x̂ per item, then over the items in
+                   order in f64 (db = db_0 + db_1 + ...), rounded to f32 once; per item
+                   and group, channels in order:
                    A = Σ w·db, B = Σ w·dw; beta = -inv²·B·(1/n), gamma = -inv·A·(1/n) -
                    lo·beta (f64)
       grad_apply   dx = g·scale + ((x - hi)·beta + gamma)
@@ -278,8 +291,9 @@ class GroupNormKey(KernelKey):
     [nq, C], are summed per channel in chunk order; a group's channels go c0 + 4k + s into
     accumulator s, combined the same way. weight, bias: whether w and b are given (combines).
 
-    Argument block: x, y (fwd) or g (bwd), dx, w, b, partials (f64 [2, nq, C]), table, coef,
-    dw, db, T, C, Cg, rows per chunk, nq, eps bits."""
+    Argument block: x, y (fwd) or g (bwd), dx, w, b, partials (f64 [2, N, nq, C]), table
+    (f32 [N, 6, C]), coef (f32 [N, 2, C]), dw, db, T, C, Cg, rows per chunk, nq, eps bits,
+    N."""
 
     family = "group_norm"
     op: str
@@ -363,7 +377,11 @@ class _GroupNorm:
         self.y = self.g                               # the forward's output takes g's slot
         self.T, self.C, self.Cg, self.per, self.nq = (u.arg(b, args, i) for i in range(10, 15))
         self.eps = u.arg_f32(b, args, 15)
-        self.part2 = b.gep(self.part, [b.mul(self.C, self.nq)], source_etype=F64)
+        self.N = u.arg(b, args, 16)
+        self.qC = b.mul(self.C, self.nq)
+        self.part2 = b.gep(self.part, [b.mul(self.qC, self.N)], source_etype=F64)
+        self.TC = b.mul(self.T, self.C)
+        self.param_accs = None
         self.G = b.sdiv(self.C, self.Cg)
         self.gpb = group_block(b, self.Cg)
         one = u.const(F64, 1.0)   # reciprocals of T, Cg and n = T·Cg (the combines multiply)
@@ -381,22 +399,42 @@ class _GroupNorm:
         b = self.b
         blocks = b.sdiv(b.sub(b.add(self.G, self.gpb), u.i64(1)), self.gpb)
         for op in ops:
-            self.run(op, u.i64(0), blocks if op.endswith("combine") else self.nq)
+            self.run(op, u.i64(0), blocks if op.endswith("combine") else b.mul(self.N, self.nq))
 
     def run(self, op, c0, c1):
         b = self.b
-        if op.endswith("combine"):   # chunks: blocks of gpb groups
+        if op.endswith("combine"):   # chunks: blocks of gpb groups, every item in each
             with u.Loop(b, c0, c1, 1, "gb") as gb:
                 g0 = b.mul(gb, self.gpb)
                 g1 = u.smin(b, b.add(g0, self.gpb), self.G)
-                self.chunk_totals(b.mul(g0, self.Cg), b.mul(g1, self.Cg),
-                                  getattr(self, op + "_channels"))
-                with u.Loop(b, g0, g1, 1, "g") as g:
-                    getattr(self, op)(b.mul(g, self.Cg), b.mul(b.add(g, u.i64(1)), self.Cg))
+                self.chunk_totals(b.mul(g0, self.Cg), b.mul(g1, self.Cg), op)
+                with u.Loop(b, u.i64(0), self.N, 1, "n") as n, self.item(n):
+                    with u.Loop(b, g0, g1, 1, "g") as g:
+                        getattr(self, op)(b.mul(g, self.Cg), b.mul(b.add(g, u.i64(1)), self.Cg))
             return
-        with u.Loop(b, c0, c1, 1, "q") as q:
-            t0 = b.mul(q, self.per)
-            getattr(self, op)(q, t0, u.smin(b, b.add(t0, self.per), self.T))
+        with u.Loop(b, c0, c1, 1, "j") as j:   # chunks: (item, time chunk), item-major
+            with self.item(b.sdiv(j, self.nq)):
+                q = b.srem(j, self.nq)
+                t0 = b.mul(q, self.per)
+                getattr(self, op)(q, t0, u.smin(b, b.add(t0, self.per), self.T))
+
+    @contextlib.contextmanager
+    def item(self, n):
+        """The per-item pointers (ITEM_STRIDES) moved to item n for the body's emission."""
+        b = self.b
+        saved = {name: getattr(self, name) for name in ITEM_STRIDES}
+        units = {None: (self.TC, u.F32), 6: (b.mul(self.C, u.i64(6)), u.F32),
+                 2: (b.mul(self.C, u.i64(2)), u.F32), "nq": (self.qC, F64)}
+        for name, unit in ITEM_STRIDES.items():
+            stride, ty = units[unit]
+            setattr(self, name, b.gep(saved[name], [b.mul(n, stride)], source_etype=ty))
+        self.y = self.g
+        try:
+            yield
+        finally:
+            for name, v in saved.items():
+                setattr(self, name, v)
+            self.y = self.g
 
     # ---- access ----
     def f64(self, v):
@@ -521,19 +559,26 @@ class _GroupNorm:
             for v, dst in zip(sums, dsts):
                 b.store(v, self.at_f64(dst, j))
 
-    def chunk_totals(self, c0, c1, finish):
-        """For channels [c0, c1), a vector of channels at a time: the sums over the chunks
-        s = Σ_q partials[0|1, q, c] (q in order), then finish(c, mask, s1, s2)."""
+    def chunk_totals(self, c0, c1, op):
+        """For channels [c0, c1), a vector of channels at a time, item by item in order: the
+        item's sums over its chunks s = Σ_q partials[0|1, n, q, c] (q in order), then
+        finish(c, mask, s1, s2, n) (the op's _channels method); grad_combine then writes the
+        parameter gradients summed over the items."""
         b = self.b
+        finish = getattr(self, op + "_channels")
         accs = [u.entry_alloca(b, self.dt) for _ in range(2)]
+        self.param_accs = [u.entry_alloca(b, self.dt) for _ in range(2)]
 
         def body(c, m):
-            _zero(b, accs, self.dt)
-            with u.Loop(b, u.i64(0), self.nq, 1, "q") as q:
-                j = b.add(b.mul(q, self.C), c)
-                for a, src in zip(accs, (self.part, self.part2)):
-                    b.store(b.fadd(b.load(a), self.load_f64(src, j, m)), a)
-            finish(c, m, b.load(accs[0]), b.load(accs[1]))
+            with u.Loop(b, u.i64(0), self.N, 1, "n") as n, self.item(n):
+                _zero(b, accs, self.dt)
+                with u.Loop(b, u.i64(0), self.nq, 1, "q") as q:
+                    j = b.add(b.mul(q, self.C), c)
+                    for a, src in zip(accs, (self.part, self.part2)):
+                        b.store(b.fadd(b.load(a), self.load_f64(src, j, m)), a)
+                finish(c, m, b.load(accs[0]), b.load(accs[1]), n)
+            if op == "grad_combine":
+                self.grad_params(c, m)
         map_pass(b, c0, c1, self.W, body)
 
     def total(self, which, c):
@@ -575,7 +620,7 @@ class _GroupNorm:
             return [d, d]
         self.sum_rows(q, t0, t1, shift, value)
 
-    def combine_channels(self, c, m, d1, d2):
+    def combine_channels(self, c, m, d1, d2, n):
         """m_c and M2_c, kept in partials [0|1, 0, c]."""
         b = self.b
         rT = u.splat(b, self.rT, self.W)
@@ -631,17 +676,26 @@ class _GroupNorm:
             return [gv, b.fmul(gv, xhat)]
         self.sum_rows(q, t0, t1, self.table_rows(MEAN_HI, INV, XOFF), value, exact=False)
 
-    def grad_combine_channels(self, c, m, s1, s2):
-        """db = Σ g and dw = Σ g·x̂ out; w·db, w·dw kept in partials [0|1, 0, c]."""
+    def grad_combine_channels(self, c, m, s1, s2, n):
+        """Item n's db = Σ g and dw = Σ g·x̂ added to the items' running totals (the first
+        item's taken as they are); w·db, w·dw kept in the item's partials [0|1, 0, c]."""
         b = self.b
-        if self.key.bias:
-            u.store(b, self.f32(s1), self.db, c, "f32", m)
+        first = b.icmp_signed("==", n, u.i64(0))
+        for acc, s in zip(self.param_accs, (s1, s2)):
+            b.store(b.select(first, s, b.fadd(b.load(acc), s)), acc)
         if self.key.weight:
-            u.store(b, self.f32(s2), self.dw, c, "f32", m)
             wc = self.f64(self.load_x(self.w, c, m))
             s1, s2 = b.fmul(wc, s1), b.fmul(wc, s2)
         self.store_f64(s1, self.part, c, m)
         self.store_f64(s2, self.part2, c, m)
+
+    def grad_params(self, c, m):
+        """db and dw: the items' f64 totals, rounded once."""
+        b = self.b
+        if self.key.bias:
+            u.store(b, self.f32(b.load(self.param_accs[0])), self.db, c, "f32", m)
+        if self.key.weight:
+            u.store(b, self.f32(b.load(self.param_accs[1])), self.dw, c, "f32", m)
 
     def grad_combine(self, c0, c1):
         b = self.b

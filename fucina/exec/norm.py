@@ -1,8 +1,8 @@
 """Normalization at the exec layer: rows [R, K] with the normalized axis contiguous, per-row
 statistics saved by the forward, and the weight/bias gradients folded from per-chunk partials
 over a row grid fixed by K (so they are bitwise identical for any thread count). group_norm
-reads its [time, channel] data in place (either axis contiguous) over a time-chunk grid fixed
-by the channel count.
+reads its [*batch, time, channel] data in place (either of the last two axes contiguous) over
+a grid of (item, time chunk), the time chunks fixed by the channel count.
 """
 from __future__ import annotations
 
@@ -110,37 +110,44 @@ _group_kernels: dict[tuple, int] = {}
 
 
 class GroupPlan:
-    """group_norm on x viewed as T x C: layout tc (channel axis contiguous) or ct (time axis
-    contiguous), G groups, time chunks of `per` rows (fixed by C), nq of them; one per shape
-    (group_plan). A forward fills one i64-typed buffer of saved_shape that its backward reuses:
-    the per-channel table (f32 [6, C], rows codegen.norm.MEAN_HI..SHIFT), the f64 partial sums
-    [2, nq, C] (the forward's, then the backward's), the backward's coefficients (f32 [2, C])."""
+    """group_norm on x viewed as N items of T x C: layout tc (channel axis contiguous) or ct
+    (time axis contiguous), G groups, time chunks of `per` rows (fixed by C), nq of them per
+    item, N·nq chunks in all; one per shape (group_plan). A forward fills one i64-typed buffer
+    of saved_shape that its backward reuses: the per-item channel table (f32 [N, 6, C], rows
+    codegen.norm.MEAN_HI..SHIFT), the f64 partial sums [2, N, nq, C] (the forward's, then the
+    backward's), the backward's coefficients (f32 [N, 2, C])."""
 
-    __slots__ = ("layout", "T", "C", "blocks", "nq", "tail", "saved_shape")
+    __slots__ = ("layout", "N", "T", "C", "blocks", "nq", "tail", "saved_shape", "offsets")
 
-    def __init__(self, layout: str, T: int, C: int, G: int, eps: float):
-        per = max(GROUP_ROWS_MIN, WORK_PER_CHUNK // C)
-        self.layout, self.T, self.C, self.nq = layout, T, C, -(-T // per)
-        gpb = max(1, BLOCK_CHANNELS // (C // G))   # groups per combine chunk
+    def __init__(self, layout: str, N: int, T: int, C: int, G: int, eps: float):
+        per = max(GROUP_ROWS_MIN, WORK_PER_CHUNK // max(C, 1))
+        self.layout, self.N, self.T, self.C, self.nq = layout, N, T, C, -(-T // per)
+        gpb = max(1, BLOCK_CHANNELS // max(C // G, 1))   # groups per combine chunk
         self.blocks = -(-G // gpb)
-        self.tail = (T, C, C // G, per, self.nq, f32_bits(eps))
-        self.saved_shape = (4 * C + 2 * C * self.nq,)
+        self.tail = (T, C, C // G, per, self.nq, f32_bits(eps), N)
+        table, part = 24 * C * N, 16 * C * self.nq * N   # bytes
+        self.offsets = (table, table + part)             # of the partials and the coefficients
+        self.saved_shape = ((table + part + 8 * C * N) // 8,)
+
+    @property
+    def empty(self) -> bool:
+        return self.N * self.T * self.C == 0
 
     def run(self, ctx, fused: str, ops, addrs, weight: bool, bias: bool) -> None:
-        """The ops in order, one launch each (data passes over the time chunks, combines over
-        blocks of groups); for small problems, or when the first would run inline on the caller
-        anyway, the fused kernel instead: the same ops in the same order in one launch, hence
-        the same bits."""
-        cost = self.T * self.C * 8
-        if self.T * self.C < GROUP_TEAM_MIN or ctx.team_for(self.nq, cost) is None:
+        """The ops in order, one launch each (data passes over the (item, time chunk) grid,
+        combines over blocks of groups, every item in each); for small problems, or when the
+        first would run inline on the caller anyway, the fused kernel instead: the same ops in
+        the same order in one launch, hence the same bits."""
+        chunks, cost = self.N * self.nq, self.N * self.T * self.C * 8
+        if self.N * self.T * self.C < GROUP_TEAM_MIN or ctx.team_for(chunks, cost) is None:
             ctx.launch(_group_kernel(fused, self.layout, weight, bias), 1, cost, *addrs, *self.tail)
             return
         for op in ops:
             if op.endswith("combine"):
                 ctx.launch(_group_kernel(op, self.layout, weight, bias), self.blocks,
-                           self.C * self.nq * 16, *addrs, *self.tail)
+                           self.N * self.C * self.nq * 16, *addrs, *self.tail)
             else:
-                ctx.launch(_group_kernel(op, self.layout, False, False), self.nq, cost, *addrs,
+                ctx.launch(_group_kernel(op, self.layout, False, False), chunks, cost, *addrs,
                            *self.tail)
 
 
@@ -155,28 +162,33 @@ group_plan = functools.lru_cache(maxsize=256)(GroupPlan)
 
 
 def group_forward(ctx, plan: GroupPlan, x: RawTensor, w=None, b=None):
-    """(y in x's shape and layout, the saved buffer). x contiguous f32 [T, C] (tc) or
-    [C, T] (ct); w, b: f32 [C] or None."""
+    """(y in x's shape and layout, the saved buffer). x contiguous f32 [*batch, T, C] (tc) or
+    [*batch, C, T] (ct), N items; w, b: f32 [C] or None. Empty work: no launch."""
     y = ctx.empty(x.shape, "f32")
     saved = ctx.empty(plan.saved_shape, "i64")
-    C, table = plan.C, saved.addr
+    if plan.empty:
+        return y, saved
+    table = saved.addr
     plan.run(ctx, "forward", ("stats", "combine", "apply"),
-             (x.addr, y.addr, 0, _a(w), _a(b), table + 24 * C, table, 0, 0, 0),
+             (x.addr, y.addr, 0, _a(w), _a(b), table + plan.offsets[0], table, 0, 0, 0),
              w is not None, b is not None)
     return y, saved
 
 
 def group_backward(ctx, plan: GroupPlan, saved: RawTensor, x: RawTensor, g: RawTensor, w=None,
                    has_bias=False, need_dx=True):
-    """(dx | None, dw | None, db | None): dw when w is given, db when has_bias, dx when asked;
-    g contiguous in x's layout; saved: the forward's."""
+    """(dx | None, dw | None, db | None): dw when w is given, db when has_bias (each summed
+    over the items), dx when asked; g contiguous in x's layout; saved: the forward's."""
     dx = ctx.empty(x.shape, "f32") if need_dx else None
     C = plan.C
+    if plan.empty:   # no element contributes: zero parameter gradients
+        return (dx, ctx.full_raw((C,), 0.0) if w is not None else None,
+                ctx.full_raw((C,), 0.0) if has_bias else None)
     dw = ctx.empty((C,), "f32") if w is not None else None
     db = ctx.empty((C,), "f32") if has_bias else None
     table = saved.addr
-    addrs = (x.addr, g.addr, _a(dx), _a(w), 0, table + 24 * C, table,
-             table + 24 * C + 16 * C * plan.nq, _a(dw), _a(db))
+    part, coef = (table + o for o in plan.offsets)
+    addrs = (x.addr, g.addr, _a(dx), _a(w), 0, part, table, coef, _a(dw), _a(db))
     ops = ("grad_sums", "grad_combine", "grad_apply")
     plan.run(ctx, "backward" if need_dx else "backward_params", ops if need_dx else ops[:2],
              addrs, w is not None, has_bias)
