@@ -92,14 +92,14 @@ def test_decode_step_layouts(ctx1):
     check_close(col.dot(q, "i").numpy(), col.numpy().T, wd)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
-    """The gemv's 16-value table decode of q4_0 / q4_1 multiplies exactly the weights the
-    block decoders give: the kernel with the table and without it agree bit for bit."""
+    """The gemv's 16-value table decode of q4_0 / q4_1 / q4_k multiplies exactly the weights
+    the block decoders give: the kernel with the table and without it agree bit for bit."""
     from fucina.codegen import kernels
     from fucina.codegen.quant_gemm import QuantGemvKey
-    N, K = 70, 576
+    N, K = 70, 768 if fmt == "q4_k" else 576
     q, _ = qweight(ctx1, N, K, fmt)
     x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
     outs = []

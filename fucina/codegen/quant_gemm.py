@@ -38,7 +38,7 @@ from .emit import lane_tree
 from .gemm import KC, emit_tile, lanes, transpose
 from .kernels import KernelKey, register
 from .quant import DECODERS as DECODERS
-from .quant import FORMATS
+from .quant import FORMATS, _half, _scale_min_k4
 from .rows import fadd
 
 
@@ -66,7 +66,34 @@ def _buffer(b, floats):
 # ---------------------------------------------------------------------------------------------
 # few rows of x: decode each block of w once and use it against every row
 
-LUT_FORMATS = ("q4_0", "q4_1")
+LUT_FORMATS = ("q4_0", "q4_1", "q4_k")
+
+
+def _lut_q4_k(b, src):
+    """A q4_k super-block as 16 vectors of 16 (values 0..255) through one 16-value table per
+    32-value sub-block, built as its decoder computes each weight: float(q)·(d·sc) − dmin·m."""
+    f16 = ir.VectorType(u.F32, 16)
+    i16 = ir.VectorType(u.I32, 16)
+    iota = ir.Constant(f16, [float(q) for q in range(16)])
+    d, dmin = _half(b, src, 0), _half(b, src, 2)
+    out = []
+    for c in range(4):
+        qs = []
+        for h in range(2):        # the 32 bytes of sub-blocks 2c and 2c + 1, 16 at a time
+            v = b.load(b.gep(src, [u.i64(16 + 32 * c + 16 * h)], source_etype=u.I8),
+                       typ=ir.VectorType(u.I8, 16))
+            v.align = 1
+            qs.append(b.zext(v, i16))
+        for p in range(2):
+            sc, m = _scale_min_k4(b, src, 4, 2 * c + p)
+            dl = b.fmul(d, b.sitofp(sc, u.F32))
+            ml = b.fmul(dmin, b.sitofp(m, u.F32))
+            table = b.fsub(b.fmul(iota, u.splat(b, dl, 16)), u.splat(b, ml, 16))
+            for q in qs:
+                idx = q if p == 0 else b.lshr(q, u.const(i16, 4))
+                out.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16, [table, idx],
+                                       types=[]))
+    return out
 
 
 def _lut_block(b, src, fmt):
@@ -74,6 +101,8 @@ def _lut_block(b, src, fmt):
     a table of the 16 values a nibble can take, built with the decoder's own arithmetic
     (float(q − 8) · d, or float(q) · d + m): each weight is bitwise what the decoder gives,
     for one permute per 16 weights instead of a convert, a multiply and an add."""
+    if fmt == "q4_k":
+        return _lut_q4_k(b, src)
     f16 = ir.VectorType(u.F32, 16)
     i16 = ir.VectorType(u.I32, 16)
     if fmt == "q4_0":
@@ -109,7 +138,7 @@ class QuantGemvKey(KernelKey):
     fmt: str
     rows: int
     cols: int
-    table: bool = True   # q4_0 / q4_1 decoded through a 16-value table (_lut_block)
+    table: bool = True   # q4_0 / q4_1 / q4_k decoded through 16-value tables (_lut_block)
 
     def ir(self, symbol: str) -> str:
         return str(_build_gemv(self, symbol))
