@@ -154,6 +154,17 @@ def test_gradcheck(ctx1):
                      [q, k, v], eps=1e-2, abs_tol=2e-3, rel_tol=2e-2)
 
 
+def test_gradcheck_batch_axes(ctx1):
+    """The batched path's gradients against finite differences (two items, GQA)."""
+    B, S, T, H, KVH, D = 2, 3, 4, 2, 1, 4
+    q, k, v = (ctx1.variable(rand(*s), ("b",) + t)
+               for s, t in (((B, S, H, D), QT), ((B, T, KVH, D), KT), ((B, T, KVH, D), KT)))
+    w = ctx1.tensor(rand(B, S, H * D), ("b", "seq", "hd"))
+    with ctx1.exec_scope():
+        fu.gradcheck(lambda a, b, c: (a.grouped_attention(b, c, [0, 0], "hd", 0.7) * w).sum_all(),
+                     [q, k, v], eps=1e-2, abs_tol=2e-3, rel_tol=2e-2)
+
+
 def test_thread_invariance(ctx1, ctx2, tiny_tiles):
     results = []
     for ctx in (ctx1, ctx2):

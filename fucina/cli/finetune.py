@@ -1172,17 +1172,28 @@ def main(argv=None) -> int:
     stderr) for a bad option, a missing or corrupt file, or an error the run refuses."""
     opts = parse_args(argv)
     try:
-        run(opts, out=_print)
+        return exit_status("finetune", lambda: run(opts, out=_print),
+                           keep=(GradVerificationFailed, ExportParityMismatch))
     except (GradVerificationFailed, ExportParityMismatch) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except SystemExit as e:  # run()'s own option checks: a one-line message
+
+
+def exit_status(command: str, fn, keep=()) -> int:
+    """Run fn() for `fucina command`: 0, or 2 with one line on stderr naming the command for
+    a string SystemExit (the option checks here, "finetune: ...") or a FucinaError/OSError.
+    Exceptions in `keep` propagate (the caller has its own status for them)."""
+    try:
+        fn()
+    except keep:
+        raise
+    except SystemExit as e:
         if not isinstance(e.code, str):
             raise
-        print(f"fucina {e.code}", file=sys.stderr)
+        print(f"fucina {command}: {e.code.removeprefix('finetune: ')}", file=sys.stderr)
         return 2
     except (fu.FucinaError, OSError) as e:
-        print(f"fucina finetune: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"fucina {command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 0
 
