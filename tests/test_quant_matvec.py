@@ -92,23 +92,25 @@ def test_decode_step_layouts(ctx1):
     check_close(col.dot(q, "i").numpy(), col.numpy().T, wd)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
-    """The gemv's 16-value table decode of q4_0 / q4_1 / q4_k multiplies exactly the weights
-    the block decoders give: the kernel with the table and without it agree bit for bit."""
+    """The gemv's 16-value table decode of q4_0 / q4_1 / q4_k, and its staged scales (q4_0 /
+    q4_1 / q8_0), multiply exactly the weights the block decoders give: with and without
+    them the kernel agrees bit for bit. K = 2400 spans several staging segments."""
     from fucina.codegen import kernels
     from fucina.codegen.quant_gemm import QuantGemvKey
-    N, K = 70, 768 if fmt == "q4_k" else 576
+    N, K = 70, 768 if fmt == "q4_k" else 2400
     q, _ = qweight(ctx1, N, K, fmt)
     x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
     outs = []
-    for table in (True, False):
+    for table, staged in ((True, True), (True, False), (False, False)):
         y = ctx1.tensor(np.zeros((rows, N), np.float32), ("s", "o"))._raw
-        ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, 2, table)), 1, 0, x.addr, q._raw.addr,
-                    y.addr, N, K, K, N)
+        ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, 2, table, staged)), 1, 0, x.addr,
+                    q._raw.addr, y.addr, N, K, K, N)
         outs.append(fu.Tensor(y, ("s", "o")).numpy())
     assert_bitwise(outs[0], outs[1])
+    assert_bitwise(outs[0], outs[2])
 
 
 def test_bad_input(ctx1):

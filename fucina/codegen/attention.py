@@ -16,9 +16,9 @@ masked. z = s·scale (+ bias[i, c] when the key has a bias).
   dscores  backward: ds = p·(dp − D)·scale written over dp (D = Σ_d dout·out of the row).
   rowdot   D[head, q] = Σ_d a[q, head, :]·b[q, head, :].
   decode   one query row per head against keys [max(0, T − w), T) of an f32 or f16 cache (w = 0:
-           all): the scores' max in a first pass, then p = e^(z − m), l = Σ p and out = Σ p·v / l
-           in a second (the scores are recomputed rather than stored, so the kernel needs no
-           scratch sized by T: a decode step's buffers do not depend on the position).
+           all), W keys at a time: their W scores side by side, an online softmax over the
+           blocks (no scratch sized by T: a decode step's buffers do not depend on the
+           position, so the step can be recorded and replayed).
 
 Sums and maxima fold in the fixed order of rows.fold_pass, and a row never spans two work items,
 so the bits do not depend on the thread count.
@@ -31,7 +31,7 @@ from llvmlite import ir
 
 from . import irutil as u
 from . import vmath
-from .emit import fold
+from .emit import fold, lane_tree
 from .kernels import KernelKey, register
 from .rows import accs_of, fadd, finite, fmax, fold_pass, map_pass
 from .target import host
@@ -223,9 +223,35 @@ def _rowdot(key, b, args, c0, c1):
         u.store(b, fold(b, sx, fadd), D, b.add(b.mul(h, seq), q), "f32")
 
 
+def _key_sums(b, vecs):
+    """W vectors of W lanes -> one vector whose lane j is the sum of vecs[j]'s lanes, by a
+    fixed tree: each level pairs neighbouring vectors and adds the low half of every key's
+    lanes to its high half, so the keys' partial sums stay side by side (W − 1 adds in all,
+    instead of a horizontal fold per key)."""
+    W = len(vecs)
+    cur, n, s = list(vecs), 1, W   # n keys per vector, s lanes per key
+    while len(cur) > 1:
+        half, nxt = s // 2, []
+        for x, y in zip(cur[0::2], cur[1::2]):
+            lo, hi = [], []
+            for kb in range(2 * n):
+                base = (0 if kb < n else W) + (kb % n) * s
+                lo += [base + i for i in range(half)]
+                hi += [base + half + i for i in range(half)]
+            nxt.append(b.fadd(b.shuffle_vector(x, y, ir.Constant(ir.VectorType(u.I32, W), lo)),
+                              b.shuffle_vector(x, y, ir.Constant(ir.VectorType(u.I32, W), hi))))
+        cur, n, s = nxt, 2 * n, half
+    return cur[0]
+
+
 def _decode(key, b, args, c0, c1):
     """args: q, k, v, out, lse, T, w, G, d, scale, row (k/v elements per position); chunk = head h,
-    reading KV head h // G. q and out are [H, d] rows, lse [H]."""
+    reading KV head h // G. q and out are [H, d] rows, lse [H].
+
+    Keys go W at a time (one per lane): W dot products accumulate side by side over d, one
+    tree (_key_sums) turns them into a vector of W scores, and an online softmax takes the
+    block (m' = max(m, block max), l = l·e^(m − m') + Σ p, o = o·e^(m − m') + Σ p_j·v_j,
+    the W products added in key order). Lanes past T read key T − 1 and get p = 0."""
     W = host().f32_lanes
     vt = ir.VectorType(u.F32, W)
     q, k, v, out, lse = (u.arg_ptr(b, args, i) for i in range(5))
@@ -235,44 +261,55 @@ def _decode(key, b, args, c0, c1):
     kv = key.kv
     lo = b.select(b.icmp_signed(">", w, u.i64(0)), b.sub(T, w), u.i64(0))
     lo = b.select(b.icmp_signed("<", lo, u.i64(0)), u.i64(0), lo)
-    sx = accs_of(b, vt, 0.0)
+    accs = [u.entry_alloca(b, vt) for _ in range(W)]
     mslot, lslot = u.entry_alloca(b, u.F32), u.entry_alloca(b, u.F32)
+    ninf = u.const(u.F32, float("-inf"))
     with u.Loop(b, c0, c1, 1, "h") as h:
         qb = b.gep(q, [b.mul(h, d)], source_etype=u.F32)
         ob = b.gep(out, [b.mul(h, d)], source_etype=u.F32)
         head = b.mul(b.sdiv(h, G), d)
-
-        def at(base, t):
-            return b.gep(base, [b.add(b.mul(t, row), head)], source_etype=u.STORAGE[kv])
-
-        def score(t):
-            kb = at(k, t)
-            for p in sx:
-                b.store(u.const(vt, 0.0), p)
-            fold_pass(b, u.i64(0), d, W, sx, lambda c, m: b.fmul(
-                u.load(b, qb, c, "f32", W, m), u.load(b, kb, c, kv, W, m)), fadd, 0.0)
-            return b.fmul(fold(b, sx, fadd), scale)
-
-        b.store(u.const(u.F32, float("-inf")), mslot)
-        with u.Loop(b, lo, T, 1, "t") as t:
-            b.store(fmax(b, b.load(mslot), score(t)), mslot)
-        m = b.load(mslot)
-        fin = finite(b, m)
-        shift = b.select(fin, m, u.const(u.F32, 0.0))
         zero = u.const(vt, 0.0)
         map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(b, zero, ob, c, "f32", msk))
+        b.store(ninf, mslot)
         b.store(u.const(u.F32, 0.0), lslot)
-        with u.Loop(b, lo, T, 1, "t") as t:
-            p = vmath.exp(b, b.fsub(score(t), shift))
-            b.store(b.fadd(b.load(lslot), p), lslot)
-            vb, pv = at(v, t), u.splat(b, p, W)
-            map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(b, b.fadd(
-                u.load(b, ob, c, "f32", W, msk), b.fmul(pv, u.load(b, vb, c, kv, W, msk))),
-                ob, c, "f32", msk))
+        with u.Loop(b, lo, T, W, "t") as t0:
+            last = b.sub(T, u.i64(1))
+            rows = [b.gep(k if kk == 0 else v, [b.add(b.mul(u.smin(b, b.add(t0, u.i64(j)), last),
+                                                             row), head)],
+                          source_etype=u.STORAGE[kv])
+                    for kk in (0, 1) for j in range(W)]
+            krows, vrows = rows[:W], rows[W:]
+            for a in accs:
+                b.store(zero, a)
+
+            def dots(c, msk):
+                qv = u.load(b, qb, c, "f32", W, msk)
+                for a, kr in zip(accs, krows):
+                    b.store(u.intrinsic(b, "llvm.fma", vt, [qv, u.load(b, kr, c, kv, W, msk),
+                                                            b.load(a)]), a)
+            map_pass(b, u.i64(0), d, W, dots)
+            s = b.fmul(_key_sums(b, [b.load(a) for a in accs]), u.splat(b, scale, W))
+            valid = u.tail_mask(b, b.sub(T, t0), W)
+            s = b.select(valid, s, u.const(vt, float("-inf")))
+            m = b.load(mslot)
+            m2 = fmax(b, m, lane_tree(b, s, fmax))
+            alpha = vmath.exp(b, b.fsub(m, m2))
+            p = b.select(valid, vmath.exp(b, b.fsub(s, u.splat(b, m2, W))), zero)
+            b.store(b.fadd(b.fmul(b.load(lslot), alpha), lane_tree(b, p, fadd)), lslot)
+            b.store(m2, mslot)
+            ps = [u.splat(b, b.extract_element(p, u.i64(j)), W) for j in range(W)]
+            av = u.splat(b, alpha, W)
+
+            def accumulate(c, msk):
+                o = b.fmul(u.load(b, ob, c, "f32", W, msk), av)
+                for pj, vr in zip(ps, vrows):
+                    o = u.intrinsic(b, "llvm.fma", vt, [pj, u.load(b, vr, c, kv, W, msk), o])
+                u.store(b, o, ob, c, "f32", msk)
+            map_pass(b, u.i64(0), d, W, accumulate)
+        m = b.load(mslot)
         l = b.load(lslot)
         some = b.fcmp_ordered(">", l, u.const(u.F32, 0.0))
         inv = u.splat(b, b.select(some, b.fdiv(u.const(u.F32, 1.0), l), u.const(u.F32, 0.0)), W)
         map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(
             b, b.fmul(u.load(b, ob, c, "f32", W, msk), inv), ob, c, "f32", msk))
-        u.store(b, b.select(some, b.fadd(m, vmath.log(b, l)), u.const(u.F32, float("-inf"))),
-                lse, h, "f32")
+        u.store(b, b.select(some, b.fadd(m, vmath.log(b, l)), ninf), lse, h, "f32")

@@ -96,7 +96,7 @@ def _lut_q4_k(b, src):
     return out
 
 
-def _lut_block(b, src, fmt):
+def _lut_block(b, src, fmt, dm=None):
     """A q4_0 / q4_1 block as two 16-lane f32 vectors (elements 0-15, 16-31), decoded through
     a table of the 16 values a nibble can take, built with the decoder's own arithmetic
     (float(q − 8) · d, or float(q) · d + m): each weight is bitwise what the decoder gives,
@@ -105,15 +105,26 @@ def _lut_block(b, src, fmt):
         return _lut_q4_k(b, src)
     f16 = ir.VectorType(u.F32, 16)
     i16 = ir.VectorType(u.I32, 16)
-    if fmt == "q4_0":
+    if fmt == "q8_0":    # staged only: float(q) · d, in registers (no table to build)
+        d = u.splat(b, dm[0], 16)
+        out = []
+        for h in range(2):
+            qs = b.load(b.gep(src, [u.i64(2 + 16 * h)], source_etype=u.I8),
+                        typ=ir.VectorType(u.I8, 16))
+            qs.align = 1
+            out.append(b.fmul(b.sitofp(qs, f16), d))
+        return out
+    if dm is not None:   # d (and m) already f32 scalars (staged): broadcasts from memory
+        d, m = (u.splat(b, v, 16) for v in dm)
+    elif fmt == "q4_0":
         d = u.splat(b, b.fpext(b.load(src, typ=u.F16), u.F32), 16)
+    else:       # d and m converted together (one load, one vcvtph2ps), then each broadcast
+        pair = b.fpext(_load_dm(b, src), ir.VectorType(u.F32, 2))
+        d, m = (b.shuffle_vector(pair, pair, ir.Constant(i16, [k] * 16)) for k in (0, 1))
+    if fmt == "q4_0":
         table = b.fmul(ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
         qoff = 2
-    else:       # d and m converted together (one load, one vcvtph2ps), then each broadcast
-        dm = b.load(src, typ=ir.VectorType(u.F16, 2))
-        dm.align = 2
-        dm = b.fpext(dm, ir.VectorType(u.F32, 2))
-        d, m = (b.shuffle_vector(dm, dm, ir.Constant(i16, [k] * 16)) for k in (0, 1))
+    else:
         table = b.fadd(b.fmul(ir.Constant(f16, [float(q) for q in range(16)]), d), m)
         qoff = 4
     qs = b.load(b.gep(src, [u.i64(qoff)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
@@ -123,6 +134,45 @@ def _lut_block(b, src, fmt):
     for idx in (b.and_(q, u.const(i16, 15)), b.lshr(q, u.const(i16, 4))):
         out.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16, [table, idx], types=[]))
     return out
+
+
+def _load_dm(b, src):
+    """The f16 pair (d, m) that opens a q4_1 block (d alone for q4_0: lane 1 unused)."""
+    v = b.load(src, typ=ir.VectorType(u.F16, 2))
+    v.align = 2
+    return v
+
+
+STAGED = ("q4_0", "q4_1", "q8_0")   # one f16 scale (and min) at the head of each block
+SEGMENT = 64   # blocks of k whose scales a staged gemv converts ahead, per row of w
+
+
+def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
+    """The blocks of k in segments of SEGMENT: first every block's f16 scales of the segment,
+    for each row of w, converted to f32 into an L1 buffer (this pass also streams the rows in,
+    with the prefetches), then the segment's blocks decoded with their scales broadcast from
+    that buffer. A broadcast from memory is a load; from a register it is a shuffle, and the
+    block loop is short of shuffle slots (byte widening, two table permutes): 5-10 % faster
+    at the SmolLM2 shapes, 1 thread. The blocks and their sums keep their order: the bits are
+    the unstaged kernel's."""
+    _, nbytes = FORMATS[key.fmt]
+    pair = ir.VectorType(u.F32, 2)
+    with u.Loop(b, u.i64(0), nblk, SEGMENT, "seg") as s0:
+        s1 = u.smin(b, b.add(s0, u.i64(SEGMENT)), nblk)
+
+        def slot(c, kb, i):   # (d, m) of block kb of row c: floats 2·(c·SEGMENT + kb − s0) + i
+            at = b.add(u.i64(c * SEGMENT), b.sub(kb, s0))
+            return b.gep(sbuf, [b.add(b.mul(at, u.i64(2)), u.i64(i))], source_etype=u.F32)
+
+        with u.Loop(b, s0, s1, 1, "kbs") as kb:
+            for c in range(len(rows)):
+                src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
+                u.prefetch(b, src, ahead, "bool")
+                b.store(b.fpext(_load_dm(b, src), pair), slot(c, kb, 0)).align = 8
+        with u.Loop(b, s0, s1, 1, "kb") as kb:
+            for c in range(len(rows)):
+                block(c, kb, [b.load(slot(c, kb, i), typ=u.F32) for i in range(2)])
+
 
 @register
 @dataclass(frozen=True)
@@ -139,6 +189,7 @@ class QuantGemvKey(KernelKey):
     rows: int
     cols: int
     table: bool = True   # q4_0 / q4_1 / q4_k decoded through 16-value tables (_lut_block)
+    staged: bool = True  # scales converted per segment ahead (q4_0 / q4_1 with tables, q8_0)
 
     def ir(self, symbol: str) -> str:
         return str(_build_gemv(self, symbol))
@@ -157,6 +208,9 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
     lut = key.table and key.fmt in LUT_FORMATS and W == 16
     bufs = [_buffer(b, bs) for _ in range(CN)]
+    staged = (key.staged and key.fmt in STAGED and W == 16 and RM * bs // W <= X_REGS
+              and (lut or key.fmt == "q8_0"))
+    sbuf = _buffer(b, CN * SEGMENT * 2) if staged else None
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
@@ -167,11 +221,12 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                 for a in accs[r][c]:
                     b.store(u.const(u.vec(u.F32, W), 0.0), a)
 
-        def block(c, kb):   # decode a block of row c and use it at once (it stays in registers)
+        def block(c, kb, dm=None):   # decode a block of row c and use it at once (registers)
             src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
-            u.prefetch(b, src, ahead, "bool")
-            if lut:
-                decoded = _lut_block(b, src, key.fmt)
+            if dm is None:
+                u.prefetch(b, src, ahead, "bool")
+            if lut or dm is not None:
+                decoded = _lut_block(b, src, key.fmt, dm)
             else:
                 DECODERS[key.fmt](b, src, bufs[c])
                 decoded = [u.load(b, bufs[c], u.i64(v * W), "f32", W) for v in range(bs // W)]
@@ -183,7 +238,9 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                     acc = accs[r][c][v % SPLIT]
                     b.store(u.intrinsic(b, "llvm.fma", wv.type, [xv, wv, b.load(acc)]), acc)
 
-        if RM * bs // W <= X_REGS:   # x's slice of a block fits in registers: loaded once per block
+        if staged:
+            _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block)
+        elif RM * bs // W <= X_REGS:   # x's slice of a block fits in registers: loaded once per block
             with u.Loop(b, u.i64(0), nblk, 1, "kb") as kb:
                 for c in range(CN):
                     block(c, kb)
