@@ -175,8 +175,12 @@ def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
     for a, b in zip(got, want):
         assert not np.array_equal(a, b)
         np.testing.assert_allclose(a, b, rtol=0, atol=0.01 * np.abs(b).max())
-    with pytest.raises(TypeError, match="matvec: expected one of"):
+    with pytest.raises(fu.InvalidArgumentType, match="matvec: expected one of"):
         load(path, ctx, matvec="int8")
+    with pytest.raises(fu.InvalidArgumentType, match="kv_dtype: expected one of"):
+        load(path, ctx, kv_dtype="bf16")
+    with pytest.raises(fu.InvalidArgumentType, match="adapters: expected a directory path"):
+        load(path, ctx, 512)      # the context length is not load's third argument
 
 
 def test_replay_with_adapters_on_the_fly(models, tmp_path):

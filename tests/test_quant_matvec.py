@@ -113,6 +113,46 @@ def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
     assert_bitwise(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("N,K", [(1536, 576), (70, 2400), (33, 96), (5, 32)])
+def test_for_matvec_gives_the_same_bits(ctx1, ctx2, fmt, N, K):
+    """Tensor.for_matvec's interleaved copy (groups of 4 blocks, the row's last blocks as
+    stored): one to 8 rows give the plain gemv's bits at 1 and 2 threads; every other op
+    (more rows, dequantize, get_rows) reads the blocks as stored."""
+    from fucina.exec.quant import GemvBlockRaw, interleaves
+    for c in (ctx1, ctx2):
+        q, wd = qweight(c, N, K, fmt)
+        qi = q.for_matvec()
+        if not interleaves(q._raw):
+            pytest.skip("the interleaved gemv needs an AVX-512 host")
+        assert isinstance(qi._raw, GemvBlockRaw) and qi.for_matvec() is qi
+        assert qi.tags == q.tags and qi.shape == q.shape
+        for M in (1, 3, 6, 20):
+            xa = rnd(M, K)
+            x = c.tensor(xa, ("s", "i"))
+            assert_bitwise(x.dot(qi, "i").numpy(), x.dot(q, "i").numpy())
+            if M == 6:
+                check_close(x.dot(qi, "i").numpy(), xa, wd)
+        assert_bitwise(qi.to("f32").numpy(), q.to("f32").numpy())
+        assert_bitwise(qi.get_rows("o", [N - 1, 0], "r").numpy(),
+                       q.get_rows("o", [N - 1, 0], "r").numpy())
+    raw, xa = blocks_for(rnd(N, K), fmt).tobytes(), rnd(1, K)
+    got = [c.tensor(xa, ("s", "i")).dot(fu.Tensor(xq.from_bytes(c, raw, (N, K), fmt),
+                                                  ("o", "i")).for_matvec(), "i").numpy()
+           for c in (ctx1, ctx2)]
+    assert_bitwise(got[0], got[1])
+
+
+def test_for_matvec_leaves_other_tensors(ctx1):
+    """Other block formats and dense tensors have no interleaved layout: returned as they are."""
+    q, _ = qweight(ctx1, 8, 256, "q4_k")
+    assert q.for_matvec() is q
+    q8, _ = qweight(ctx1, 8, 64, "q8_0")
+    assert q8.for_matvec() is q8
+    f = ctx1.tensor(rnd(4, 64), ("o", "i"))
+    assert f.for_matvec() is f
+
+
 def test_bad_input(ctx1):
     q, _ = qweight(ctx1, 64, 576, "q4_1")
     with pytest.raises(fu.FucinaError, match="dot"):

@@ -176,6 +176,16 @@ class QuantMethods:
         idx = _indices(op, self, indices)
         return self._result(xq.get_rows(r.ctx, r, ax, idx, op, tag), tags)
 
+    def for_matvec(self):
+        """This weight with a second copy of its blocks laid out for products with one to 8
+        rows (decode steps; fucina/exec/quant.py interleave): the same values and the same
+        bits of every product, ~20 % faster matvecs, twice the bytes held. q4_0 / q4_1
+        matrices on AVX-512 hosts; any other tensor is returned as it is."""
+        r = self._live("for_matvec")
+        if isinstance(r, xq.GemvBlockRaw) or not xq.interleaves(r):
+            return self
+        return type(self)(xq.interleave(r.ctx, r), self.tags)
+
     def dot_q8(self, w, tag: str):
         """self.dot(w, tag) for one row of activations against a q4_0 / q4_1 / q8_0 weight,
         the row rounded to 8 bits per group of 4 values and multiplied by integer dots (ggml's

@@ -174,6 +174,80 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
                 block(c, kb, [b.load(slot(c, kb, i), typ=u.F32) for i in range(2)])
 
 
+INTERLEAVED = ("q4_0", "q4_1")
+GROUP = 4               # blocks per interleaved group
+SEG_GROUPS = 16         # groups whose scales an interleaved gemv converts ahead, per row
+
+
+def interleaved_scale_bytes(fmt: str) -> int:
+    """Bytes of f16 scales that open an interleaved group: d0..d3 (q4_0), then m0..m3 (q4_1)."""
+    return GROUP * 2 * (2 if fmt == "q4_1" else 1)
+
+
+def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use):
+    """A row of w in the gemv's interleaved layout (fucina.exec.quant.interleave): groups of
+    GROUP blocks of k, each [the 4 d's (f16)][the 4 m's, q4_1][64 bytes: the byte j of block
+    g's nibbles at byte g of dword j], the same bytes as the 4 blocks, then the row's last
+    nblk % GROUP blocks as stored. One 64-byte load gives each dword lane its nibbles for the
+    whole group, so a block's two index vectors are shifts (no byte widening), and the scales
+    of a segment of groups are converted to f32 ahead (their broadcasts are loads).
+    use(c, kb, pair) runs block kb of row c from its two decoded 16-lane halves, in the
+    unpacked kernel's order: the bits are its bits."""
+    fmt = key.fmt
+    _, nbytes = FORMATS[fmt]
+    f16 = ir.VectorType(u.F32, 16)
+    i16 = ir.VectorType(u.I32, 16)
+    nsc = interleaved_scale_bytes(fmt) // 2
+    gbytes = GROUP * nbytes
+    groups = b.sdiv(nblk, u.i64(GROUP))
+    iota = ir.Constant(f16, [float(q - (8 if fmt == "q4_0" else 0)) for q in range(16)])
+    # the item's rows are contiguous: prefetch the same span `ahead` bytes on, line by line
+    # (the row tails included, which a per-group prefetch would miss)
+    first = b.gep(w, [b.add(b.mul(rows[0], row_bytes), ahead)], source_etype=u.I8)
+    with u.Loop(b, u.i64(0), b.mul(row_bytes, u.i64(len(rows))), 64, "pf") as off:
+        u.prefetch(b, first, off, "bool")
+
+    def gptr(c, g, off=0):
+        return b.gep(w, [b.add(b.add(b.mul(rows[c], row_bytes), b.mul(g, u.i64(gbytes))),
+                               u.i64(off))], source_etype=u.I8)
+
+    with u.Loop(b, u.i64(0), groups, SEG_GROUPS, "gseg") as g0:
+        g1 = u.smin(b, b.add(g0, u.i64(SEG_GROUPS)), groups)
+
+        def slot(c, g, i):   # scale i (d0..d3, m0..m3) of group g of row c, converted
+            at = b.add(u.i64(c * SEG_GROUPS), b.sub(g, g0))
+            return b.gep(sbuf, [b.add(b.mul(at, u.i64(8)), u.i64(i))], source_etype=u.F32)
+
+        with u.Loop(b, g0, g1, 1, "gs") as g:
+            for c in range(len(rows)):
+                src = gptr(c, g)
+                hv = b.load(src, typ=ir.VectorType(u.F16, nsc))
+                hv.align = 2
+                st = b.store(b.fpext(hv, ir.VectorType(u.F32, nsc)), slot(c, g, 0))
+                st.align = 4
+        with u.Loop(b, g0, g1, 1, "g") as g:
+            for c in range(len(rows)):
+                nib = b.load(gptr(c, g, nsc * 2), typ=i16)
+                nib.align = 1
+                for j in range(GROUP):
+                    d = u.splat(b, b.load(slot(c, g, j), typ=u.F32), 16)
+                    table = b.fmul(iota, d)
+                    if fmt == "q4_1":
+                        table = b.fadd(table, u.splat(b, b.load(slot(c, g, GROUP + j),
+                                                                 typ=u.F32), 16))
+                    halves = []
+                    for h in range(2):
+                        sh = 8 * j + 4 * h
+                        idx = nib if sh == 0 else b.lshr(nib, u.const(i16, sh))
+                        halves.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16,
+                                                  [table, idx], types=[]))
+                    use(c, b.add(b.mul(g, u.i64(GROUP)), u.i64(j)), halves)
+    with u.Loop(b, b.mul(groups, u.i64(GROUP)), nblk, 1, "kbt") as kb:   # the row's tail
+        for c in range(len(rows)):
+            src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
+            use(c, kb, _lut_block(b, src, fmt))
+
+
 @register
 @dataclass(frozen=True)
 class QuantGemvKey(KernelKey):
@@ -190,6 +264,7 @@ class QuantGemvKey(KernelKey):
     cols: int
     table: bool = True   # q4_0 / q4_1 / q4_k decoded through 16-value tables (_lut_block)
     staged: bool = True  # scales converted per segment ahead (q4_0 / q4_1 with tables, q8_0)
+    interleaved: bool = False   # w in the interleaved layout (q4_0 / q4_1; _interleaved_blocks)
 
     def ir(self, symbol: str) -> str:
         return str(_build_gemv(self, symbol))
@@ -208,9 +283,15 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
     lut = key.table and key.fmt in LUT_FORMATS and W == 16
     bufs = [_buffer(b, bs) for _ in range(CN)]
-    staged = (key.staged and key.fmt in STAGED and W == 16 and RM * bs // W <= X_REGS
+    fits = W == 16 and RM * bs // W <= X_REGS
+    inter = key.interleaved
+    if inter and not (fits and key.fmt in INTERLEAVED):
+        raise ValueError(f"quant_gemv: no interleaved layout for {key.fmt} at {RM} rows, "
+                         f"{W} lanes")
+    staged = (not inter and key.staged and key.fmt in STAGED and fits
               and (lut or key.fmt == "q8_0"))
-    sbuf = _buffer(b, CN * SEGMENT * 2) if staged else None
+    sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
+            _buffer(b, CN * SEG_GROUPS * 8) if inter else None)
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
@@ -230,6 +311,9 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
             else:
                 DECODERS[key.fmt](b, src, bufs[c])
                 decoded = [u.load(b, bufs[c], u.i64(v * W), "f32", W) for v in range(bs // W)]
+            use(c, kb, decoded)
+
+        def use(c, kb, decoded):   # the FMAs of one decoded block of row c against every row of x
             k0 = b.mul(kb, u.i64(bs))
             for v, wv in enumerate(decoded):
                 for r in range(RM):
@@ -238,7 +322,9 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                     acc = accs[r][c][v % SPLIT]
                     b.store(u.intrinsic(b, "llvm.fma", wv.type, [xv, wv, b.load(acc)]), acc)
 
-        if staged:
+        if inter:
+            _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use)
+        elif staged:
             _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block)
         elif RM * bs // W <= X_REGS:   # x's slice of a block fits in registers: loaded once per block
             with u.Loop(b, u.i64(0), nblk, 1, "kb") as kb:

@@ -126,6 +126,15 @@ class Model:
         return cls(ctx, cfg, embd, load.vector("output_norm.weight", cfg.hidden), out, layers,
                    gguf_file)
 
+    def for_matvec(self) -> None:
+        """Give every projection and the head a copy laid out for one-row products
+        (Tensor.for_matvec): serving's exact decode steps, same bits, ~20 % faster."""
+        for w in self.layers:
+            w.linear = {n: t if t is None else t.for_matvec() for n, t in w.linear.items()}
+            if w.qkv is not None:
+                w.qkv = w.qkv.for_matvec()
+        self.output = self.output.for_matvec()
+
     # ---- forward ----
     def rope_table(self, offset: int, length: int):
         """The RoPE table of positions offset .. offset + length - 1 (feature_dim = the rotary
