@@ -143,6 +143,14 @@ def _load_dm(b, src):
     return v
 
 
+def _prefetch_rows(b, w, rows, row_bytes, ahead):
+    """Prefetch, line by line, the item's rows of w (consecutive rows, one contiguous span)
+    `ahead` bytes on: one prefetch per line, none lost in the middle of a block."""
+    first = b.gep(w, [b.add(b.mul(rows[0], row_bytes), ahead)], source_etype=u.I8)
+    with u.Loop(b, u.i64(0), b.mul(row_bytes, u.i64(len(rows))), 64, "pf") as off:
+        u.prefetch(b, first, off, "bool")
+
+
 STAGED = ("q4_0", "q4_1", "q8_0")   # one f16 scale (and min) at the head of each block
 SEGMENT = 64   # blocks of k whose scales a staged gemv converts ahead, per row of w
 
@@ -157,6 +165,7 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
     the unstaged kernel's."""
     _, nbytes = FORMATS[key.fmt]
     pair = ir.VectorType(u.F32, 2)
+    _prefetch_rows(b, w, rows, row_bytes, ahead)
     with u.Loop(b, u.i64(0), nblk, SEGMENT, "seg") as s0:
         s1 = u.smin(b, b.add(s0, u.i64(SEGMENT)), nblk)
 
@@ -167,7 +176,6 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
         with u.Loop(b, s0, s1, 1, "kbs") as kb:
             for c in range(len(rows)):
                 src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
-                u.prefetch(b, src, ahead, "bool")
                 b.store(b.fpext(_load_dm(b, src), pair), slot(c, kb, 0)).align = 8
         with u.Loop(b, s0, s1, 1, "kb") as kb:
             for c in range(len(rows)):
@@ -201,11 +209,7 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use):
     gbytes = GROUP * nbytes
     groups = b.sdiv(nblk, u.i64(GROUP))
     iota = ir.Constant(f16, [float(q - (8 if fmt == "q4_0" else 0)) for q in range(16)])
-    # the item's rows are contiguous: prefetch the same span `ahead` bytes on, line by line
-    # (the row tails included, which a per-group prefetch would miss)
-    first = b.gep(w, [b.add(b.mul(rows[0], row_bytes), ahead)], source_etype=u.I8)
-    with u.Loop(b, u.i64(0), b.mul(row_bytes, u.i64(len(rows))), 64, "pf") as off:
-        u.prefetch(b, first, off, "bool")
+    _prefetch_rows(b, w, rows, row_bytes, ahead)
 
     def gptr(c, g, off=0):
         return b.gep(w, [b.add(b.add(b.mul(rows[c], row_bytes), b.mul(g, u.i64(gbytes))),
