@@ -31,12 +31,11 @@ their text, UNUSED tokens nothing; no space is stripped (streaming-safe `decode_
 from __future__ import annotations
 
 import functools
-import heapq
 from collections.abc import Mapping
 
 from ..errors import UnsupportedTokenizer
 from .tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, Vocabulary,
-                        literal_matcher)
+                        literal_matcher, merge_pairs)
 
 __all__ = ["SpmTokenizer", "MARKER"]
 
@@ -244,8 +243,7 @@ class SpmTokenizer(Vocabulary):
         return key
 
     def _bpe(self, part: str) -> tuple[int, ...]:
-        """BPE by score of one part: a heap of adjacent pairs keyed (priority, left position);
-        a popped pair is applied only if both of its symbols are still what they were."""
+        """BPE by score of one part (tokenizer.merge_pairs)."""
         to_id = self._to_id
         syms: list = []
         for c in part:
@@ -254,46 +252,12 @@ class SpmTokenizer(Vocabulary):
             else:   # byte fallback: the character's UTF-8 bytes as <0xNN> entries
                 for b in c.encode("utf-8", "surrogateescape"):
                     syms.append(_BYTE_NAMES[b] if self._byte_ids[b] is not None else None)
-        n = len(syms)
-        if n > 1:
-            known, key = self._pair_key.get, self._key   # cached priorities first
-            nxt = list(range(1, n + 1))
-            nxt[-1] = -1
-            prv = list(range(-1, n - 1))
-            heap = []
-            for i in range(n - 1):
-                a, b = syms[i], syms[i + 1]
-                if a is not None and b is not None:
-                    k = known((a, b), False)
-                    if k is False:
-                        k = key(a, b)
-                    if k is not None:
-                        heap.append((k, i, a, b))
-            heapq.heapify(heap)
-            while heap:
-                _, i, left, right = heapq.heappop(heap)
-                j = nxt[i]
-                if j < 0 or syms[i] != left or syms[j] != right:
-                    continue   # stale: one side was merged since
-                merged = left + right
-                syms[i], syms[j] = merged, False
-                k2 = nxt[j]
-                nxt[i] = k2
-                if k2 >= 0:
-                    prv[k2] = i
-                    if syms[k2] is not None:
-                        r = known((merged, syms[k2]), False)
-                        if r is False:
-                            r = key(merged, syms[k2])
-                        if r is not None:
-                            heapq.heappush(heap, (r, i, merged, syms[k2]))
-                p = prv[i]
-                if p >= 0 and syms[p] is not None:
-                    r = known((syms[p], merged), False)
-                    if r is False:
-                        r = key(syms[p], merged)
-                    if r is not None:
-                        heapq.heappush(heap, (r, p, syms[p], merged))
+        known, key = self._pair_key.get, self._key   # cached priorities first
+
+        def priority(a, b):
+            k = known((a, b), False)
+            return key(a, b) if k is False else k
+        merge_pairs(syms, priority)
         unk = self.unk_id
         ids = []
         for s in syms:

@@ -55,6 +55,49 @@ PRE_TOKENIZERS = {"gpt-2": _GPT2, "qwen2": _QWEN2, "smollm": _SMOLLM, "llama-bpe
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
+def merge_pairs(syms: list, priority) -> None:
+    """BPE over the symbols `syms` in place: the adjacent pair of smallest priority(left,
+    right) merges first (ties: the leftmost), until no pair has a priority (None). A heap of
+    pairs keyed (priority, left position); a popped pair is applied only if both of its
+    symbols are still what they were when pushed. A merged-away slot becomes False; a None
+    symbol never merges. Shared by the byte-level BPE (merge ranks) and SentencePiece
+    (scores)."""
+    n = len(syms)
+    if n < 2:
+        return
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    prv = list(range(-1, n - 1))
+    heap = []
+    for i in range(n - 1):
+        a, b = syms[i], syms[i + 1]
+        if a is not None and b is not None:
+            k = priority(a, b)
+            if k is not None:
+                heap.append((k, i, a, b))
+    heapq.heapify(heap)
+    while heap:
+        _, i, left, right = heapq.heappop(heap)
+        j = nxt[i]
+        if j < 0 or syms[i] != left or syms[j] != right:
+            continue   # stale: one side was merged since
+        merged = left + right
+        syms[i], syms[j] = merged, False
+        k2 = nxt[j]
+        nxt[i] = k2
+        if k2 >= 0:
+            prv[k2] = i
+            if syms[k2] is not None:
+                r = priority(merged, syms[k2])
+                if r is not None:
+                    heapq.heappush(heap, (r, i, merged, syms[k2]))
+        p = prv[i]
+        if p >= 0 and syms[p] is not None:
+            r = priority(syms[p], merged)
+            if r is not None:
+                heapq.heappush(heap, (r, p, syms[p], merged))
+
+
 def literal_matcher(strings):
     """A compiled regex matching any of `strings`, leftmost and then longest, or None when
     there are none. Written as a trie (shared prefixes factored out, a longer continuation
@@ -339,40 +382,11 @@ class Tokenizer(Vocabulary):
         if self._ignore_merges and word in to_id:
             return (to_id[word],)
         syms: list = list(word)
-        n = len(syms)
-        if n > 1:
-            ranks = self._ranks
-            nxt = list(range(1, n + 1))
-            nxt[-1] = -1
-            prv = list(range(-1, n - 1))
-            heap = []
-            for i in range(n - 1):
-                r = ranks.get((syms[i], syms[i + 1]))
-                if r is not None:
-                    heap.append((r, i, syms[i], syms[i + 1]))
-            heapq.heapify(heap)
-            while heap:
-                _, i, left, right = heapq.heappop(heap)
-                j = nxt[i]
-                if j < 0 or syms[i] != left or syms[j] != right:
-                    continue   # stale: one side was merged since
-                merged = left + right
-                syms[i], syms[j] = merged, None
-                k = nxt[j]
-                nxt[i] = k
-                if k >= 0:
-                    prv[k] = i
-                    r = ranks.get((merged, syms[k]))
-                    if r is not None:
-                        heapq.heappush(heap, (r, i, merged, syms[k]))
-                p = prv[i]
-                if p >= 0:
-                    r = ranks.get((syms[p], merged))
-                    if r is not None:
-                        heapq.heappush(heap, (r, p, syms[p], merged))
+        ranks = self._ranks
+        merge_pairs(syms, lambda a, b: ranks.get((a, b)))
         ids = []
         for s in syms:
-            if s is None:
+            if s is False:
                 continue
             t = to_id.get(s)
             if t is not None:
