@@ -92,12 +92,13 @@ def test_decode_step_layouts(ctx1):
     check_close(col.dot(q, "i").numpy(), col.numpy().T, wd)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
-    """The gemv's 16-value table decode of q4_0 / q4_1 / q4_k, and its staged scales (q4_0 /
-    q4_1 / q8_0), multiply exactly the weights the block decoders give: with and without
-    them the kernel agrees bit for bit. K = 2400 spans several staging segments."""
+    """The gemv's 16-value table decode of q4_0 / q4_1 / q4_k, its 32-value tables of q5_0 /
+    q5_1 and its staged scales (q4_0 / q4_1 / q5_0 / q5_1 / q8_0) multiply exactly the
+    weights the block decoders give: with and without them the kernel agrees bit for bit.
+    K = 2400 spans several staging segments."""
     from fucina.codegen import kernels
     from fucina.codegen.quant_gemm import QuantGemvKey
     N, K = 70, 768 if fmt == "q4_k" else 2400

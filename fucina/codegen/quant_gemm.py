@@ -105,6 +105,8 @@ def _lut_block(b, src, fmt, dm=None):
         return _lut_q4_k(b, src)
     f16 = ir.VectorType(u.F32, 16)
     i16 = ir.VectorType(u.I32, 16)
+    if fmt in ("q5_0", "q5_1"):
+        return _lut_q5(b, src, fmt, dm)
     if fmt == "q8_0":    # staged only: float(q) · d, in registers (no table to build)
         d = u.splat(b, dm[0], 16)
         out = []
@@ -136,6 +138,38 @@ def _lut_block(b, src, fmt, dm=None):
     return out
 
 
+def _lut_q5(b, src, fmt, dm):
+    """A q5_0 / q5_1 block (staged scales) as two 16-lane vectors through a 32-value table
+    in two registers, (q − 16)·d or q·d + m built as the decoder computes them: the 5-bit
+    index is the nibble with bit j of qh as its fifth bit (a test-under-mask and a masked
+    or), one two-register permute per 16 weights."""
+    f16 = ir.VectorType(u.F32, 16)
+    i16 = ir.VectorType(u.I32, 16)
+    d = u.splat(b, dm[0], 16)
+    tables = []
+    for t in range(2):
+        if fmt == "q5_0":
+            tables.append(b.fmul(ir.Constant(f16, [float(16 * t + q - 16) for q in range(16)]), d))
+        else:
+            tables.append(b.fadd(b.fmul(ir.Constant(f16, [float(16 * t + q) for q in range(16)]),
+                                        d), u.splat(b, dm[1], 16)))
+    qh_off, qs_off = (2, 6) if fmt == "q5_0" else (4, 8)
+    qh = b.load(b.gep(src, [u.i64(qh_off)], source_etype=u.I8), typ=u.I32)
+    qh.align = 1
+    qh = u.splat(b, qh, 16)
+    qs = b.load(b.gep(src, [u.i64(qs_off)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
+    qs.align = 1
+    q = b.zext(qs, i16)
+    out = []
+    for h, nib in enumerate((b.and_(q, u.const(i16, 15)), b.lshr(q, u.const(i16, 4)))):
+        bit = ir.Constant(i16, [1 << (16 * h + j) for j in range(16)])
+        high = b.icmp_unsigned("!=", b.and_(qh, bit), u.const(i16, 0))
+        idx = b.select(high, b.or_(nib, u.const(i16, 16)), nib)
+        out.append(u.intrinsic(b, "llvm.x86.avx512.vpermi2var.ps.512", f16,
+                               [tables[0], idx, tables[1]], types=[]))
+    return out
+
+
 def _load_dm(b, src):
     """The f16 pair (d, m) that opens a q4_1 block (d alone for q4_0: lane 1 unused)."""
     v = b.load(src, typ=ir.VectorType(u.F16, 2))
@@ -151,7 +185,7 @@ def _prefetch_rows(b, w, rows, row_bytes, ahead):
         u.prefetch(b, first, off, "bool")
 
 
-STAGED = ("q4_0", "q4_1", "q8_0")   # one f16 scale (and min) at the head of each block
+STAGED = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")   # f16 d (and m) open each block
 SEGMENT = 64   # blocks of k whose scales a staged gemv converts ahead, per row of w
 
 
@@ -293,7 +327,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
         raise ValueError(f"quant_gemv: no interleaved layout for {key.fmt} at {RM} rows, "
                          f"{W} lanes")
     staged = (not inter and key.staged and key.fmt in STAGED and fits
-              and (lut or key.fmt == "q8_0"))
+              and (lut or key.fmt not in LUT_FORMATS))
     sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
             _buffer(b, CN * SEG_GROUPS * 8) if inter else None)
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
