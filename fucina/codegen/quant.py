@@ -286,25 +286,37 @@ def _dec_q3_k(b, s, y):
                 _storef(b, _scaled(b, q, dl, 16), y, h * 128 + j * 32 + p * 16)
 
 
-def _scale_min_k4(b, s, off, j):
-    """ggml's get_scale_min_k4: the 6-bit scale and min j of the 12 bytes at s+off, as i32."""
-    q = lambda i: _byte(b, s, off + i)  # noqa: E731
-    if j < 4:
-        return b.and_(q(j), _c(I32, 63)), b.and_(q(j + 4), _c(I32, 63))
-    sc = b.or_(b.and_(q(j + 4), _c(I32, 15)), b.shl(b.lshr(q(j - 4), _c(I32, 6)), _c(I32, 4)))
-    m = b.or_(b.lshr(q(j + 4), _c(I32, 4)), b.shl(b.lshr(q(j), _c(I32, 6)), _c(I32, 4)))
-    return sc, m
+def scales_mins_k4(b, s, off, d, dmin):
+    """The 8 sub-block scales d·float(sc_j) and mins dmin·float(m_j) of a q4_k / q5_k
+    super-block as two 8-lane vectors, each lane the scalar product the reference computes.
+    ggml's get_scale_min_k4 unpacks the 6-bit pairs from the 12 bytes q at s+off: for j < 4
+    sc = q[j] & 63, m = q[j+4] & 63; else sc = (q[j+4] & 15) | (q[j-4] >> 6) << 4,
+    m = (q[j+4] >> 4) | (q[j] >> 6) << 4 — here for all j at once (lanes 0-3 and 4-7).
+    Reads 16 bytes at s+off (the 12 scale bytes, then 4 of the block's quants)."""
+    v = _bytes(b, s, off, 16)
+    t = _vt(I32, 8)
+
+    def pick(lanes):
+        return b.shuffle_vector(v, v, _cv(I32, lanes))
+    low = ir.Constant(_vt(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+    a, mb = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])
+    top = lambda x: b.shl(b.lshr(x, _c(t, 6)), _c(t, 4))  # noqa: E731
+    sc = b.select(low, b.and_(a, _c(t, 63)),
+                  b.or_(b.and_(a, _c(t, 15)), top(pick([0, 0, 0, 0, 0, 1, 2, 3]))))
+    m = b.select(low, b.and_(mb, _c(t, 63)),
+                 b.or_(b.lshr(mb, _c(t, 4)), top(pick([0, 0, 0, 0, 4, 5, 6, 7]))))
+    return b.fmul(_sp(b, d, 8), _float(b, sc)), b.fmul(_sp(b, dmin, 8), _float(b, m))
 
 
 def _dec_q45_k(b, s, y, five):
     d, dmin = _half(b, s, 0), _half(b, s, 2)
+    dls, mls = scales_mins_k4(b, s, 4, d, dmin)
     qh = _bytes(b, s, 16, 32) if five else None
     for c in range(4):
         ql = _bytes(b, s, 48 + 32 * c if five else 16 + 32 * c, 32)
         t = ql.type
         for p in range(2):
-            sc, m = _scale_min_k4(b, s, 4, 2 * c + p)
-            dl, ml = b.fmul(d, _float(b, sc)), b.fmul(dmin, _float(b, m))
+            dl, ml = (b.extract_element(v, u.i64(2 * c + p)) for v in (dls, mls))
             q = b.and_(ql, _c(t, 15)) if p == 0 else b.lshr(ql, _c(t, 4))
             if five:
                 bit = b.and_(qh, _c(t, 1 << (2 * c + p)))

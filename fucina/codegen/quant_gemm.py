@@ -38,7 +38,7 @@ from .emit import lane_tree
 from .gemm import KC, emit_tile, lanes, transpose
 from .kernels import KernelKey, register
 from .quant import DECODERS as DECODERS
-from .quant import FORMATS, _half, _scale_min_k4
+from .quant import FORMATS, _half, scales_mins_k4
 from .rows import fadd
 
 
@@ -75,7 +75,7 @@ def _lut_q4_k(b, src):
     f16 = ir.VectorType(u.F32, 16)
     i16 = ir.VectorType(u.I32, 16)
     iota = ir.Constant(f16, [float(q) for q in range(16)])
-    d, dmin = _half(b, src, 0), _half(b, src, 2)
+    dls, mls = scales_mins_k4(b, src, 4, _half(b, src, 0), _half(b, src, 2))
     out = []
     for c in range(4):
         qs = []
@@ -85,9 +85,7 @@ def _lut_q4_k(b, src):
             v.align = 1
             qs.append(b.zext(v, i16))
         for p in range(2):
-            sc, m = _scale_min_k4(b, src, 4, 2 * c + p)
-            dl = b.fmul(d, b.sitofp(sc, u.F32))
-            ml = b.fmul(dmin, b.sitofp(m, u.F32))
+            dl, ml = (b.extract_element(v, u.i64(2 * c + p)) for v in (dls, mls))
             table = b.fsub(b.fmul(iota, u.splat(b, dl, 16)), u.splat(b, ml, 16))
             for q in qs:
                 idx = q if p == 0 else b.lshr(q, u.const(i16, 4))
