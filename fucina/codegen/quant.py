@@ -100,10 +100,6 @@ def _sbytes(b, p, off, n):
     return b.sext(_load(b, p, off, _vt(I8, n)), _vt(I32, n))
 
 
-def _byte(b, p, off):
-    return b.zext(_load(b, p, off, I8), I32)
-
-
 def _half(b, p, off):
     return b.fpext(_load(b, p, off, u.F16), F32)
 
@@ -255,30 +251,40 @@ def _dec_q8_k(b, s, y):
 
 def _dec_q2_k(b, s, y):
     d, dmin = _half(b, s, 80), _half(b, s, 82)
+    sc = _bytes(b, s, 0, 16)     # the 16 group scales and mins at once (lane = group)
+    dls = b.fmul(_sp(b, d, 16), _float(b, b.and_(sc, _c(sc.type, 15))))
+    mls = b.fmul(_sp(b, dmin, 16), _float(b, b.lshr(sc, _c(sc.type, 4))))
     for h in range(2):
         for j in range(4):
             for p in range(2):
-                sc = _byte(b, s, h * 8 + j * 2 + p)
-                dl = b.fmul(d, _float(b, b.and_(sc, _c(I32, 15))))
-                ml = b.fmul(dmin, _float(b, b.lshr(sc, _c(I32, 4))))
+                dl, ml = (b.extract_element(v, u.i64(h * 8 + j * 2 + p)) for v in (dls, mls))
                 q = _bytes(b, s, 16 + h * 32 + p * 16, 16)
                 q = b.and_(b.lshr(q, _c(q.type, 2 * j)), _c(q.type, 3))
                 _storef(b, _scaled(b, q, dl, 16, ml), y, h * 128 + j * 32 + p * 16)
 
 
-def _q3_scale(b, s, j):
-    """The 6-bit scale j of a q3_k block, minus 32."""
-    low = b.and_(_byte(b, s, 96 + j), _c(I32, 15)) if j < 8 else b.lshr(_byte(b, s, 96 + j - 8), _c(I32, 4))
-    high = b.and_(b.lshr(_byte(b, s, 104 + j % 4), _c(I32, 2 * (j // 4))), _c(I32, 3))
-    return b.sub(b.or_(low, b.shl(high, _c(I32, 4))), _c(I32, 32))
+def _q3_scales(b, s):
+    """The 16 6-bit scales of a q3_k block, minus 32, as 16 lanes: scale j's low 4 bits are
+    byte 96 + j's low nibble (j < 8) or byte 96 + j − 8's high nibble, its top 2 bits bits
+    2·(j // 4) of byte 104 + j % 4."""
+    v = _bytes(b, s, 96, 12)
+    t = _vt(I32, 16)
+    pick = lambda lanes: b.shuffle_vector(v, v, _cv(I32, lanes))  # noqa: E731
+    src = pick([j % 8 for j in range(16)])
+    low = b.select(ir.Constant(_vt(ir.IntType(1), 16), [j < 8 for j in range(16)]),
+                   b.and_(src, _c(t, 15)), b.lshr(src, _c(t, 4)))
+    high = b.and_(b.lshr(pick([8 + j % 4 for j in range(16)]),
+                         _cv(I32, [2 * (j // 4) for j in range(16)])), _c(t, 3))
+    return b.sub(b.or_(low, b.shl(high, _c(t, 4))), _c(t, 32))
 
 
 def _dec_q3_k(b, s, y):
     d = _half(b, s, 108)
+    dls = b.fmul(_sp(b, d, 16), _float(b, _q3_scales(b, s)))   # lane = group
     for h in range(2):
         for j in range(4):
             for p in range(2):
-                dl = b.fmul(d, _float(b, _q3_scale(b, s, h * 8 + j * 2 + p)))
+                dl = b.extract_element(dls, u.i64(h * 8 + j * 2 + p))
                 q = _bytes(b, s, 32 + h * 32 + p * 16, 16)
                 q = b.and_(b.lshr(q, _c(q.type, 2 * j)), _c(q.type, 3))
                 hm = b.and_(_bytes(b, s, p * 16, 16), _c(q.type, 1 << (h * 4 + j)))
