@@ -272,3 +272,139 @@ def test_bad_inputs(ctx1):
         gemm_bf16(ctx1, a, ctx1.from_numpy(np.ones((3, 5), np.float32), dtype="bf16"))
     with pytest.raises(fu.ShapeMismatch, match=r"expected a \[M, K\]"):
         gemm_bf16(ctx1, ctx1.from_numpy(np.ones((2, 3, 4), np.float32)), b)
+
+
+# ---- Tensor.dot_bf16: forward and the gradient to x ------------------------------------------
+
+@pytest.mark.parametrize("xshape,xtags", [((7, 40), ("s", "i")), ((40, 2, 3), ("i", "b", "s"))])
+@pytest.mark.parametrize("wtags", [("o", "i"), ("i", "o")])
+def test_dot_bf16_forward_backward_against_torch(ctx, xshape, xtags, wtags):
+    """y = bf16(x)·bf16(w) and dx = bf16(g)·bf16(w), against torch in float64 on the rounded
+    operands (the trainer's frozen linear, both orientations of the weight, x of any rank)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(10)
+    xa = rng.standard_normal(xshape).astype(np.float32)
+    wa = rng.standard_normal((24, 40)).astype(np.float32)
+    wstore = wa if wtags == ("o", "i") else wa.T.copy()
+    w = ctx.tensor(wstore, wtags).to("bf16")
+    x = ctx.variable(xa, xtags)
+    with ctx.exec_scope():
+        y = x.dot_bf16(w, "i")
+        assert y.tags == tuple(t for t in xtags if t != "i") + ("o",)
+        c = rng.standard_normal(y.shape).astype(np.float32)
+        (y * ctx.tensor(c, y.tags)).sum_all().backward()
+        yv = y.numpy()
+    perm = [xtags.index(t) for t in y.tags[:-1]] + [xtags.index("i")]
+    tw = torch.from_numpy(bf16(wa)).double()
+    tx = torch.from_numpy(bf16(xa.transpose(perm))).double()
+    ty = tx @ tw.T
+    bound = 40 * 2.0 ** -24 * (tx.abs() @ tw.abs().T)
+    assert ((torch.from_numpy(yv).double() - ty).abs() <= bound).all()
+    tg = torch.from_numpy(bf16(c)).double()
+    tdx = tg @ tw                                       # [.., i] in y's lead order
+    gb = 24 * 2.0 ** -24 * (tg.abs() @ tw.abs())
+    got = torch.from_numpy(x.grad().numpy().transpose(perm).copy()).double()
+    assert x.grad().tags == xtags
+    assert ((got - tdx).abs() <= gb).all()
+
+
+def test_dot_bf16_gradient_is_the_bf16_product(ctx1):
+    """The backward is the same kernel on dy: bitwise gemm_bf16(g, w)."""
+    rng = np.random.default_rng(11)
+    xa = rng.standard_normal((9, 64)).astype(np.float32)
+    wa = rng.standard_normal((30, 64)).astype(np.float32)
+    ga = rng.standard_normal((9, 30)).astype(np.float32)
+    w = ctx1.tensor(wa, ("o", "i")).to("bf16")
+    x = ctx1.variable(xa, ("s", "i"))
+    with ctx1.exec_scope():
+        (x.dot_bf16(w, "i") * ctx1.tensor(ga, ("s", "o"))).sum_all().backward()
+    want = gemm_bf16(ctx1, ctx1.from_numpy(ga), w._raw).to_numpy()
+    assert_bitwise(x.grad().numpy(), want)
+
+
+def test_dot_bf16_errors(ctx1):
+    x = ctx1.tensor(np.ones((2, 8), np.float32), ("s", "i"))
+    w = ctx1.tensor(np.ones((4, 8), np.float32), ("o", "i")).to("bf16")
+    with pytest.raises(fu.UnsupportedGradient, match="dot_bf16: the right operand requires grad"):
+        x.dot_bf16(ctx1.variable(np.ones((4, 8), np.float32), ("o", "i")), "i")
+    with pytest.raises(fu.DTypeError, match="dot_bf16: right operand: expected bf16 or f32, got f16"):
+        x.dot_bf16(w.to("f16"), "i")
+    with pytest.raises(fu.DTypeError, match="dot_bf16: left operand: expected f32, got bf16"):
+        x.to("bf16").dot_bf16(w, "i")
+    with pytest.raises(fu.TagError, match="free tag 'o'"):
+        ctx1.tensor(np.ones((4, 8), np.float32), ("o", "i")).dot_bf16(w, "i")
+    with pytest.raises(fu.TagError, match="expected a matrix"):
+        x.dot_bf16(ctx1.tensor(np.ones((2, 4, 8), np.float32), ("e", "o", "i")), "i")
+    with pytest.raises(fu.FucinaError):
+        x.dot_bf16(w, "nope")
+
+
+# ---- the decoder with compute="bf16": its frozen linears, forward and backward -----------------
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from fucina.cli.tiny_model import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=3)
+
+
+def test_model_holds_bf16_and_its_linear_is_the_bf16_product(ctx1, tiny_path):
+    """Model.from_gguf(compute="bf16"): matrices bf16 (half the bytes), norms f32; a frozen
+    projection forward and its gradient to the input against torch in float64 on the rounded
+    operands (W the f32 file's matrix rounded to bf16)."""
+    torch = pytest.importorskip("torch")
+    from fucina.llm.decoder import Model
+    m32 = Model.from_gguf(ctx1, tiny_path)
+    m16 = Model.from_gguf(ctx1, tiny_path, compute="bf16")
+    lay32, lay16 = m32.layers[1], m16.layers[1]
+    for name, w in lay16.linear.items():
+        assert w.dtype == "bf16" and lay32.linear[name].dtype == "f32"
+    assert m16.token_embd.dtype == "bf16" and m16.output.dtype == "bf16"
+    assert lay16.attn_norm.dtype == "f32" and m16.output_norm.dtype == "f32"
+    w = lay32.linear["down"].numpy()                       # [embed, ffn]
+    assert_bitwise(lay16.linear["down"].to("f32").numpy(), bf16(w))
+    rng = np.random.default_rng(12)
+    xa = rng.standard_normal((9, w.shape[1])).astype(np.float32)
+    ga = rng.standard_normal((9, w.shape[0])).astype(np.float32)
+    x = ctx1.variable(xa, ("seq", "ffn"))
+    with ctx1.exec_scope():
+        y = m16.linear(1, "down", x)
+        (y * ctx1.tensor(ga, ("seq", "embed"))).sum_all().backward()
+        yv = y.numpy()
+    tx, tw, tg = (torch.from_numpy(bf16(v)).double() for v in (xa, w, ga))
+    assert ((torch.from_numpy(yv).double() - tx @ tw.T).abs()
+            <= w.shape[1] * 2.0 ** -24 * (tx.abs() @ tw.abs().T)).all()
+    assert ((torch.from_numpy(x.grad().numpy()).double() - tg @ tw).abs()
+            <= w.shape[0] * 2.0 ** -24 * (tg.abs() @ tw.abs())).all()
+
+
+def test_trainer_gradients_close_to_f32(ctx1, tiny_path):
+    """The LoRA step over a bf16-compute model: the loss and every adapter gradient near the
+    f32 model's (same init), and not equal to them (the bf16 kernel ran). B starts at zero, so
+    A's gradients are zero in both and B's carry the comparison."""
+    from fucina.llm.decoder import Model, Targets, Trainer
+    tokens = np.arange(3, 40) % 500
+    labels = np.roll(tokens, -1)
+    out = {}
+    for c in ("f32", "bf16"):
+        model = Model.from_gguf(ctx1, tiny_path, compute=c)
+        tr = Trainer(model, Targets(q=True, v=True, down=True), fu.lora.LoraConfig(4, 8), seed=1)
+        with ctx1.exec_scope():
+            loss = tr.loss(tokens, labels)
+            loss.backward()
+            out[c] = (loss.item(), [e.tensor.grad().numpy() for e in tr.named_tensors()])
+    (l32, g32), (l16, g16) = out["f32"], out["bf16"]
+    assert 0 < abs(l16 - l32) < 1e-2 * l32
+    for a, b in zip(g32, g16):
+        n = np.linalg.norm(a)
+        if n == 0:
+            assert np.linalg.norm(b) == 0
+            continue
+        assert 0 < np.linalg.norm(a - b) < 0.05 * n
+
+
+def test_model_compute_errors(ctx1, tiny_path):
+    from fucina.llm.decoder import Model
+    with pytest.raises(fu.InvalidArgument, match=r"compute: expected one of f32, bf16, got 'fp8'"):
+        Model.from_gguf(ctx1, tiny_path, compute="fp8")
+    with pytest.raises(fu.InvalidArgument, match="expected widen_frozen=False with it"):
+        Model.from_gguf(ctx1, tiny_path, compute="bf16", widen_frozen=True)
