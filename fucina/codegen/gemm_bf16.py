@@ -14,9 +14,12 @@ with any element strides and computes a contiguous f32 c[M, N]. Two families:
   gemm_bf16_tile  the f32 GEMM's tile structure (fucina.codegen.gemm): one chunk = one (MC-row,
                   NC-column) tile of C, for each KC block in increasing order, NR panels of B,
                   MR panels of A, MR x NR f32 accumulators; for each k pair in increasing order
-                  acc = dpbf16(acc, a pair, b pair). Partial sums of earlier KC blocks go to C
-                  and are reloaded (exact). The k order is fixed, the chunk grid depends on the
-                  problem size only: bitwise identical for any thread count.
+                  acc = dpbf16(acc, a pair, b pair). A comes packed by gemm_bf16_pack; each
+                  KC x NR panel of B is packed by the same loops straight from b into a 32 KiB
+                  stack buffer (L1) where the MR panels of A run over it: the frozen weight is
+                  read once per M block, never written back packed. Partial sums of earlier KC
+                  blocks go to C and are reloaded (exact). The k order is fixed, the chunk grid
+                  depends on the problem size only: bitwise identical for any thread count.
 
 What vdpbf16ps computes, probed on this project's Zen 5 host (tests/test_gemm_bf16.py keeps the
 probe): per f32 lane, acc' = R(R(acc + a₁·b₁) + a₀·b₀) — the odd element of the pair first,
@@ -44,9 +47,12 @@ from .gemm import _mask_upto, _zero_mask, lanes, transpose
 from .kernels import KernelKey, register
 from .target import host
 
-KC = 512          # k per block (even): a KC x NR panel of B is 32 KiB of bf16 pairs, in L1
+KC = 512          # at most this many k per block (even): a KC x NR panel of B is 32 KiB of
+                  # bf16 pairs, in L1 (exec splits K into equal even blocks up to KC)
 NR_VECS = 2       # vectors of f32 accumulators across the micro-tile (NR = NR_VECS * lanes)
 UNROLL = 2        # k pairs per iteration of the micro-kernel's loop
+PF_ROWS = 16      # packing along rows far apart (wvec): prefetch this many rows ahead ...
+PF_K = 128        # ... along k-contiguous rows (kvec): this many elements ahead
 TINY = 2.0 ** -126
 
 
@@ -192,6 +198,11 @@ def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W):
         row0 = b.add(sbase, b.mul(k, s_k))
         row1 = b.add(row0, s_k)
         has1 = b.icmp_signed("<", b.add(k, u.i64(1)), kcl)
+        # rows far apart: fetch the piece PF_ROWS rows on (its lines are in no stream yet)
+        ahead = b.add(row0, b.mul(u.i64(PF_ROWS), s_k))
+        for line in range(-(-(Wp * u.ITEMSIZE[dt]) // 64)):
+            u.prefetch(b, src, b.add(ahead, u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
+            u.prefetch(b, src, b.add(b.add(ahead, s_k), u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
         for v in range(nvec):
             m = _mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
             lo = load_bits(b, src, b.add(row0, u.i64(v * W)), dt, W, m)
@@ -229,7 +240,9 @@ def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
                     vecs.append(u.const(iv, 0))
                     continue
                 m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, zero2)
-                h = load_bits(b, src, b.add(b.add(sbase, b.mul(u.i64(w), s_w)), kt), dt, 2 * W, m)
+                at = b.add(b.add(sbase, b.mul(u.i64(w), s_w)), kt)
+                u.prefetch(b, src, b.add(at, u.i64(PF_K)), dt)
+                h = load_bits(b, src, at, dt, 2 * W, m)
                 vecs.append(b.bitcast(h, iv))           # little endian: even k in the low half
             cols = transpose(b, vecs)
             npairs = b.sdiv(b.add(kn, u.i64(1)), u.i64(2))
@@ -271,17 +284,21 @@ def _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt):
 @register
 @dataclass(frozen=True)
 class GemmBf16TileKey(KernelKey):
-    """C tiles from bf16 pair panels (module docstring).
+    """C tiles from A's pair panels and b itself (module docstring).
 
-    Arguments: 0 Ap, 1 Bp, 2 C, 3 M, 4 N, 5 K, 6 KC (even), 7 MC, 8 NC, 9 M blocks, 10 N
-    blocks, 11 M blocks fastest (else N blocks fastest) in the chunk order. C contiguous [M, N].
-    native: vdpbf16ps (AVX-512 BF16) or its FMA emulation — the same bits.
+    Arguments: 0 Ap, 1 b, 2 C, 3 M, 4 N, 5 K, 6 KC (even), 7 MC, 8 NC, 9 M blocks, 10 N
+    blocks, 11 M blocks fastest (else N blocks fastest) in the chunk order, 12 s_bk, 13 s_bn
+    (b's element strides). C contiguous [M, N].
+    native: vdpbf16ps (AVX-512 BF16) or its FMA emulation — the same bits. b_mode: how b's
+    panels are packed (gemm_bf16_pack's modes: wvec = unit stride along n, kvec = along k).
     """
     family = "gemm_bf16_tile"
     mr: int
     nr_vecs: int
     unroll: int
     native: bool
+    b_dtype: str   # f32 | bf16
+    b_mode: str    # wvec | kvec | any
 
     def ir(self, symbol: str) -> str:
         return str(_build_tile(self, symbol))
@@ -341,11 +358,13 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
     R, V, U = key.mr, key.nr_vecs, key.unroll
     fv, iv = _fv(W), _iv(W)
     NRc = V * W
-    Ap, Bp, C = (u.arg_ptr(b, args, i) for i in range(3))
-    M, N, K, kc, MC, NC, nmb, nnb, mfast = (u.arg(b, args, i) for i in range(3, 12))
+    Ap, Bsrc, C = (u.arg_ptr(b, args, i) for i in range(3))
+    M, N, K, kc, MC, NC, nmb, nnb, mfast, s_bk, s_bn = (u.arg(b, args, i) for i in range(3, 14))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
-    Np = b.mul(b.sdiv(b.add(N, u.i64(NRc - 1)), u.i64(NRc)), u.i64(NRc))
     dp = _dp_native(b, W) if key.native else _dp_emulated(b, W)
+    bp = u.entry_alloca(b, ir.ArrayType(u.I32, KC // 2 * NRc))
+    bp.align = 64
+    bp.type = u.PTR
     accs = [[u.entry_alloca(b, fv, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
     two = u.i64(2)
 
@@ -363,10 +382,20 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
             first = b.icmp_signed("==", k0, u.i64(0))
             kp0 = b.sdiv(k0, two)
             ablk = b.mul(kp0, Mp)
-            bblk = b.mul(kp0, Np)
             with u.Loop(b, col0, col1, NRc, "j0") as j0:
-                bp = b.gep(Bp, [b.add(bblk, b.mul(j0, kpl))], source_etype=u.I32)
                 nvalid = b.sub(N, j0)
+                # this KC x NR panel of b, packed into the stack buffer
+                sbase = b.add(b.mul(k0, s_bk), b.mul(j0, s_bn))
+                wvalid = u.smin(b, u.i64(NRc), nvalid)
+                if key.b_mode == "wvec":
+                    _pack_wvec(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bk, NRc,
+                               key.b_dtype, W)
+                elif key.b_mode == "kvec":
+                    _pack_kvec(b, Bsrc, bp, sbase, u.i64(0), kcl, wvalid, s_bn, NRc,
+                               key.b_dtype, W)
+                else:
+                    _pack_any(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bn, s_bk, NRc,
+                              key.b_dtype)
                 cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
                 with u.Loop(b, row0, row1, R, "i0") as i0:
                     ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)

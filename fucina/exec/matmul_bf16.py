@@ -3,26 +3,31 @@
 `gemm_bf16(ctx, a, b)` views a as [M, K] (f32) and b as [K, N] (f32 or bf16), any element
 strides, and returns a contiguous f32 c[M, N] = bf16(a) · bf16(b) with f32 accumulation
 (fucina/codegen/gemm_bf16.py: operands rounded to nearest even when packed, bf16 denormals
-read as zero, vdpbf16ps where the host has it, its bit-exact emulation elsewhere). Always the
-packed path: pack A and B into pair panels (one launch each), then one launch over a grid of
-(M-block, N-block) tiles fixed by the problem size — bitwise identical for any thread count.
+read as zero, vdpbf16ps where the host has it, its bit-exact emulation elsewhere). Two
+launches: pack A into pair panels, then a grid of (M-block, N-block) tiles fixed by the problem
+size, each packing its panels of b into L1 as it goes — bitwise identical for any thread
+count. M blocks are large (b, the frozen weight, is read once per M block) and N blocks small
+enough that there are several chunks for the threads.
 """
 from __future__ import annotations
 
 from ..codegen import gemm_bf16 as g
 from ..codegen import kernels
 from ..errors import DTypeError, ShapeMismatch
-from .matmul import MC_PANELS, NC_PANELS, PACK_CHUNK, blocks
+from .matmul import PACK_CHUNK, blocks
 from .raw import RawTensor
 
+MC_PANELS = 24   # at most this many MR panels of A per tile (MC x KC of A stays in L2)
+NC_PANELS = 8    # at most this many NR panels of B per tile ...
+N_CHUNKS = 8     # ... and fewer when that leaves N with fewer blocks than this
 _plans: dict = {}
 
 
 class Plan:
-    """The launches of one layout pair: (addr, n_chunks, cost, tail) for pack A, pack B and
-    the tiles; `bofs` is where B's panels start in the scratch buffer (words)."""
+    """The launches of one layout pair: (addr, n_chunks, cost, tail) for pack A and the tiles;
+    `words` is the size of A's panels."""
 
-    __slots__ = ("shape", "words", "bofs", "pack_a", "pack_b", "tile")
+    __slots__ = ("shape", "words", "pack_a", "tile")
 
 
 def _check(a, b):
@@ -61,29 +66,33 @@ def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None) -> Ra
     sp = s.addr
     addr, n, cost, tail = plan.pack_a
     ctx.launch(addr, n, cost, a.addr, sp, *tail)
-    addr, n, cost, tail = plan.pack_b
-    ctx.launch(addr, n, cost, b.addr, sp + plan.bofs * 4, *tail)
     addr, n, cost, tail = plan.tile
-    ctx.launch(addr, n, cost, sp, sp + plan.bofs * 4, out.addr, *tail)
+    ctx.launch(addr, n, cost, sp, b.addr, out.addr, *tail)
     del s
     return out
 
 
-def _pack(dtype, width, rows, K, s_w, s_k):
-    """One gemm_bf16_pack launch: (addr, chunks, cost, tail), words written."""
+def _mode(rows, K, s_w, s_k):
     if s_w == 1 or rows == 1:
-        mode = "wvec"
-    elif s_k == 1 or K == 1:
-        mode = "kvec"
-    else:
-        mode = "any"
+        return "wvec"
+    return "kvec" if s_k == 1 or K == 1 else "any"
+
+
+def _kc(K):
+    """K in equal even blocks of at most g.KC (a short last block would cost its own pass)."""
+    c = -(-K // -(-K // g.KC))
+    return c + c % 2
+
+
+def _pack(dtype, width, rows, K, s_w, s_k, kc):
+    """One gemm_bf16_pack launch: (addr, chunks, cost, tail), words written."""
     npan = -(-rows // width)
-    per = max(1, min(npan, PACK_CHUNK // (width * min(K, g.KC))))
+    per = max(1, min(npan, PACK_CHUNK // (width * min(K, kc))))
     groups = -(-npan // per)
-    addr = kernels.get(g.GemmBf16PackKey(dtype, width, mode))
+    addr = kernels.get(g.GemmBf16PackKey(dtype, width, _mode(rows, K, s_w, s_k)))
     words = npan * width * (-(-K // 2))
-    return (addr, -(-K // g.KC) * groups, npan * width * K * 4,
-            (rows, K, s_w, s_k, g.KC, npan, per, groups)), words
+    return (addr, -(-K // kc) * groups, npan * width * K * 4,
+            (rows, K, s_w, s_k, kc, npan, per, groups)), words
 
 
 def _make_plan(a, b, native: bool) -> Plan:
@@ -92,13 +101,15 @@ def _make_plan(a, b, native: bool) -> Plan:
     N = b.shape[1]
     plan.shape = (M, N)
     MR, NR = g.mr(), g.nr()
-    plan.pack_a, aw = _pack("f32", MR, M, K, a.strides[0], a.strides[1])
-    plan.pack_b, bw = _pack(b.dtype, NR, N, K, b.strides[1], b.strides[0])
-    plan.bofs = -(-aw // 16) * 16
-    plan.words = plan.bofs + bw
+    kc = _kc(K)
+    plan.pack_a, plan.words = _pack("f32", MR, M, K, a.strides[0], a.strides[1], kc)
+    s_bk, s_bn = b.strides
     MC = blocks(-(-M // MR), MC_PANELS) * MR
-    NC = blocks(-(-N // NR), NC_PANELS) * NR
+    npn = -(-N // NR)
+    NC = min(blocks(npn, NC_PANELS), -(-npn // N_CHUNKS)) * NR
     nmb, nnb = -(-M // MC), -(-N // NC)
-    addr = kernels.get(g.GemmBf16TileKey(MR, g.NR_VECS, g.UNROLL, native))
-    plan.tile = (addr, nmb * nnb, M * N * K, (M, N, K, g.KC, MC, NC, nmb, nnb, int(N > M)))
+    addr = kernels.get(g.GemmBf16TileKey(MR, g.NR_VECS, g.UNROLL, native, b.dtype,
+                                         _mode(N, K, s_bn, s_bk)))
+    plan.tile = (addr, nmb * nnb, M * N * K,
+                 (M, N, K, kc, MC, NC, nmb, nnb, int(N > M), s_bk, s_bn))
     return plan
