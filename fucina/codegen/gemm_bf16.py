@@ -304,6 +304,27 @@ class GemmBf16TileKey(KernelKey):
         return str(_build_tile(self, symbol))
 
 
+def _next_panel_lines(b, key, src, sbase, kcl, wvalid, s_bk, s_bn, ok):
+    """(line count, prefetch(line)) of the KC x NR panel of b at sbase: kvec — wvalid rows of
+    kcl k-contiguous elements; wvec — kcl rows of wvalid n-contiguous ones. No lines unless
+    `ok` (the chunk has a next panel)."""
+    dt = key.b_dtype
+    epl = 64 // u.ITEMSIZE[dt]                     # elements per cache line
+    if key.b_mode == "kvec":
+        per_row = b.sdiv(b.add(kcl, u.i64(epl - 1)), u.i64(epl))
+        rows, stride = wvalid, s_bn
+    else:
+        per_row = b.sdiv(b.add(wvalid, u.i64(epl - 1)), u.i64(epl))
+        rows, stride = kcl, s_bk
+    total = b.select(ok, b.mul(rows, per_row), u.i64(0))
+
+    def prefetch_line(ln):
+        r = b.sdiv(ln, per_row)
+        e = b.mul(b.srem(ln, per_row), u.i64(epl))
+        u.prefetch(b, src, b.add(sbase, b.add(b.mul(r, stride), e)), dt)
+    return total, prefetch_line
+
+
 def _dp_native(b, W):
     vb = ir.VectorType(_BFloat(), 2 * W)
     fv = _fv(W)
@@ -397,7 +418,29 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                     _pack_any(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bn, s_bk, NRc,
                               key.b_dtype)
                 cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
+                pf = None
+                if key.b_mode in ("wvec", "kvec"):
+                    # the next panel: along this block's columns, else the next k block's
+                    # first, else the first of the columns after this chunk's
+                    nxt = b.add(j0, u.i64(NRc))
+                    in_blk = b.icmp_signed("<", nxt, col1)
+                    k1 = b.add(k0, kc)
+                    in_k = b.icmp_signed("<", k1, K)
+                    pk = b.select(in_blk, k0, b.select(in_k, k1, u.i64(0)))
+                    pj = b.select(in_blk, nxt, b.select(in_k, col0, col1))
+                    pkl = u.smin(b, kc, b.sub(K, pk))
+                    pf = _next_panel_lines(b, key, Bsrc, b.add(b.mul(pk, s_bk), b.mul(pj, s_bn)),
+                                           pkl, u.smin(b, u.i64(NRc), b.sub(N, pj)), s_bk, s_bn,
+                                           b.icmp_signed("<", pj, N))
+                n_i0 = b.sdiv(b.add(b.sub(row1, row0), u.i64(R - 1)), u.i64(R))
                 with u.Loop(b, row0, row1, R, "i0") as i0:
+                    if pf is not None:
+                        # a share of the next panel's lines on their way while this one computes
+                        total, prefetch_line = pf
+                        per = b.sdiv(b.add(total, b.sub(n_i0, u.i64(1))), n_i0)
+                        l0 = b.mul(b.sdiv(b.sub(i0, row0), u.i64(R)), per)
+                        with u.Loop(b, l0, u.smin(b, b.add(l0, per), total), 1, "pf") as ln:
+                            prefetch_line(ln)
                     ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
                     mvalid = b.sub(M, i0)
                     coff = b.add(b.mul(i0, N), j0)
