@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fucina as fu
-from conftest import assert_bitwise
+from conftest import assert_bitwise, feed_grad
 from fucina.codegen import gemm_bf16 as cg
 from fucina.codegen import kernels
 from fucina.exec import matmul_bf16 as mb
@@ -408,3 +408,55 @@ def test_model_compute_errors(ctx1, tiny_path):
         Model.from_gguf(ctx1, tiny_path, compute="fp8")
     with pytest.raises(fu.InvalidArgument, match="expected widen_frozen=False with it"):
         Model.from_gguf(ctx1, tiny_path, compute="bf16", widen_frozen=True)
+
+
+# ---- Muon's Newton–Schulz through the bf16 GEMM (ns_dtype="bf16", bf16 leaves only) ---------
+
+def _ns_reference(u, steps, bf16_gemm):
+    """Newton–Schulz in float64, each GEMM's operands rounded to bf16 when asked."""
+    from fucina.exec.optim_lowrank import NS_A, NS_B, NS_C, NS_EPS
+    r = (lambda v: bf16(v.astype(np.float32)).astype(np.float64)) if bf16_gemm else (lambda v: v)
+    x = u.astype(np.float64)
+    x = x.T if x.shape[0] > x.shape[1] else x
+    x = x / (np.sqrt((x * x).sum()) + NS_EPS)
+    for _ in range(steps):
+        a = r(x) @ r(x).T
+        q = NS_B * a + NS_C * (r(a) @ r(a))
+        x = NS_A * x + r(q) @ r(x)
+    return x.T if u.shape[0] > u.shape[1] else x
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (96, 40)])
+def test_newton_schulz_bf16_against_float64(ctx1, shape):
+    from fucina.exec.optim_lowrank import newton_schulz5
+    rng = np.random.default_rng(13)
+    u = rng.standard_normal(shape).astype(np.float32)
+    got = newton_schulz5(ctx1, ctx1.from_numpy(u), 5, bf16=True).to_numpy()
+    want = _ns_reference(u, 5, True)
+    assert np.abs(got - want).max() < 2e-2                # bf16 rounding of every GEMM input
+    f32 = newton_schulz5(ctx1, ctx1.from_numpy(u), 5).to_numpy()
+    assert np.abs(got - f32).max() > 1e-4                 # it did run in bf16
+    s = np.linalg.svd(got.astype(np.float64), compute_uv=False)
+    assert 0.4 < s.min() and s.max() < 1.6                # still orthogonalised
+
+
+def test_muon_ns_dtype_applies_to_bf16_leaves_only(ctx1):
+    rng = np.random.default_rng(14)
+    shape = (24, 40)
+    w0 = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+
+    def step(dtype, ns_dtype):
+        w = ctx1.variable(w0, ("o", "i"), dtype=dtype)
+        opt = fu.optim.Muon(lr=0.03, ns_dtype=ns_dtype)
+        opt.add_param(w)
+        feed_grad(ctx1, w, g)
+        opt.step()
+        return opt.state_of(w)["master"] if dtype == "bf16" else w.numpy()
+
+    assert_bitwise(step("f32", "bf16"), step("f32", "f32"))      # f32 leaves: f32 NS
+    m16, m32 = step("bf16", "bf16"), step("bf16", "f32")
+    d = np.abs(m16 - m32).max()
+    assert 0 < d < 0.03 * 0.05                                   # lr · a bf16-sized error
+    with pytest.raises(fu.InvalidOptimizerConfig, match="ns_dtype: expected one of f32, bf16"):
+        fu.optim.Muon(lr=0.03, ns_dtype="f16")

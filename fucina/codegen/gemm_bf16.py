@@ -307,7 +307,7 @@ class GemmBf16TileKey(KernelKey):
 def _next_panel_lines(b, key, src, sbase, kcl, wvalid, s_bk, s_bn, ok):
     """(line count, prefetch(line)) of the KC x NR panel of b at sbase: kvec — wvalid rows of
     kcl k-contiguous elements; wvec — kcl rows of wvalid n-contiguous ones. No lines unless
-    `ok` (the chunk has a next panel)."""
+    `ok` (there is a next panel)."""
     dt = key.b_dtype
     epl = 64 // u.ITEMSIZE[dt]                     # elements per cache line
     if key.b_mode == "kvec":
