@@ -46,7 +46,7 @@ def check_close(c, A, B):
 
 
 SHAPES = [(1, 1, 1), (5, 7, 3), (14, 32, 32), (37, 131, 45), (3, 1025, 70), (64, 576, 192),
-          (100, 1100, 33), (29, 2, 61)]
+          (100, 1100, 33), (29, 2, 61), (400, 130, 70)]   # the last: several M blocks
 
 
 @pytest.mark.parametrize("M,K,N", SHAPES)
@@ -221,7 +221,7 @@ def test_emulation_matches_instruction(ctx, scale):
 
 def test_one_and_two_threads_bitwise():
     rng = np.random.default_rng(7)
-    A = rng.standard_normal((300, 1100)).astype(np.float32)
+    A = rng.standard_normal((350, 1100)).astype(np.float32)   # two M blocks, three K blocks
     B = rng.standard_normal((700, 1100)).astype(np.float32)
     out = []
     for th in (1, 2):
