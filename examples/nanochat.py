@@ -13,7 +13,8 @@ Step s trains on one window of seq + 1 bytes starting at at(seed, s) mod (train 
 (fu.rng's counter-based draw: a resumed run sees the same windows).
 
 Model and optimizer: the block matrices are bf16 leaves with f32 masters, updated by Muon
-(lr 0.02, momentum 0.95, Nesterov, spectral scale); the embedding and the untied head are f32
+(lr 0.02, momentum 0.95, Nesterov, spectral scale; Newton–Schulz through the bf16 GEMM,
+ns_dtype="bf16"); the embedding and the untied head are f32
 and go to Muon's embedded AdamW (lr 3e-3, β 0.9/0.95). The loss is the head's projection fused
 with the cross-entropy. A line per `--log-every` steps (loss, ms/step, tokens/s), the held-out
 loss every `--eval-every` steps, the loss curves as a PNG (`--plot`, default build/nanochat.png),
@@ -80,7 +81,8 @@ class Run:
             raise fu.DatasetTooSmall(f"nanochat: {len(data)} bytes do not make train and held-out "
                                      f"windows of {cfg.seq + 1}; raise --data-mb")
         self.model = Gpt(ctx, cfg, init_weights(cfg, seed), matrix_dtype="bf16")
-        self.opt = fu.optim.Muon(lr=lr, fallback=fu.optim.AdamWConfig(
+        # the bf16 matrices orthogonalise through the bf16 GEMM, as torch.optim.Muon does
+        self.opt = fu.optim.Muon(lr=lr, ns_dtype="bf16", fallback=fu.optim.AdamWConfig(
             lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-10, weight_decay=0.0))
         self.registry = ParamRegistry()
         for name, t in self.model.params.items():

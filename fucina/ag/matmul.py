@@ -17,6 +17,7 @@ from ..exec.matmul import gemm
 from ..exec.dtypes import BLOCKS
 from .checks import same_ctx
 from .engine import finish_op, needs_graph
+from .matmul_bf16 import bf16_dot
 from .quant import quantized_dot, refuse_einsum
 
 
@@ -215,6 +216,14 @@ class MatmulMethods:
         self._live("dot")
         same_ctx("dot", self, other)
         return self._result(*dot(self, other, tag))
+
+    def dot_bf16(self, other: "Tensor", tag: str):
+        """dot with a frozen right operand computed in bf16: both sides rounded to bf16, f32
+        sums (fucina.ag.matmul_bf16); gradient to self only."""
+        self._live("dot_bf16")
+        other._live("dot_bf16")
+        same_ctx("dot_bf16", self, other)
+        return self._result(*bf16_dot(self, other, tag))
 
     def matmul(self, other: "Tensor", kind: str, out_tags):
         """A-7: plain / trans_a / trans_b on the storage order, bypassing the tag algebra."""

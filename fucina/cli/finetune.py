@@ -3,7 +3,8 @@ checkpoints, resume, gradient verification and the export loop (SPEC D-3, D-5).
 
     fucina finetune [--model PATH.gguf | --tiny] [--data PATH.jsonl] [--shuffle]
         [--data-seed N] [--steps N] [--accum-steps N] [--lr F] [--rank N] [--alpha F]
-        [--seq-max N] [--checkpoint-layers] [--no-widen-frozen] [--no-sample] [--threads N]
+        [--seq-max N] [--checkpoint-layers] [--no-widen-frozen] [--compute f32|bf16]
+        [--no-sample] [--threads N]
         [--save DIR] [--save-every N] [--load DIR] [--seed N] [--state-dtype f32|bf16]
         [--verify-grads] [--export OUT.gguf [--export-dtype q4_k] [--ask QUESTION]]
         [--eval-data F.jsonl | --eval-split FRACTION] [--eval-every N]
@@ -41,6 +42,13 @@ each micro-batch runs in its own scope as `loss_ext(reduction="sum", loss_scale=
 1/total_valid)` + backward, then ONE clip → step → zero_grad; the reported loss is the sum of
 the scaled losses (the token-weighted mean over the window). `--steps` counts these macro
 steps over the whole run: a run resumed at step k trains steps k+1 .. --steps.
+
+The frozen weights: f32 copies by default (plain f32 GEMMs), `--no-widen-frozen` keeps them as
+stored (quantized GEMMs), `--compute bf16` holds them as bf16 (half the memory of f32) and runs
+every frozen projection and the tied head, forward and the backward to the activations, through
+the bf16 GEMM (Model.from_gguf(compute="bf16"): the activation or its gradient rounded to bf16,
+f32 sums through AVX-512 BF16's dot instruction where the CPU has it). Adapters, norms,
+attention, softmax, the loss and AdamW stay f32.
 
 Output: a greedy BEFORE/AFTER answer to the first example's prompt (25 new tokens at most)
 through the serving API, `fu.llm.LM.chat` over the session's model with the adapters applied on
@@ -126,6 +134,7 @@ from fucina.llm import (IGNORE_INDEX, LM, ChatTemplate, Conversation, EncodeOpti
                         encode_chat)
 from fucina.llm import peft
 from fucina.llm.decoder import Model, Targets, Trainer
+from fucina.llm.decoder.model import COMPUTE
 from . import export as export_gguf
 from .plot import loss_curves_png
 
@@ -185,6 +194,7 @@ class Options:
     seq_max: int = 256
     checkpoint_layers: bool = False
     widen_frozen: bool = True
+    compute: str = "f32"
     sample: bool = True
     threads: int | None = None
     save: str | None = None
@@ -268,19 +278,27 @@ class StepStats:
     tokens: int          # input tokens processed
 
 
+def frozen_options(opts: Options) -> dict:
+    """Model.from_gguf's options for the frozen weights: --compute bf16 holds them as bf16
+    (widening does not apply), else f32 copies unless --no-widen-frozen."""
+    if opts.compute == "bf16":
+        return {"compute": "bf16"}
+    return {"widen_frozen": opts.widen_frozen}
+
+
 class TrainerBuilder:
     """Builds, inside a Ray actor, the trainer the driver's session holds (same file, targets,
     rank, alpha, dropout, seed; one thread)."""
 
     def __init__(self, path: str, opts: Options, trainer: Trainer):
         c = trainer.lora_config
-        self.args = (path, opts.widen_frozen, opts.rank, float(c.alpha), float(c.dropout_p),
+        self.args = (path, frozen_options(opts), opts.rank, float(c.alpha), float(c.dropout_p),
                      trainer.seed, opts.checkpoint_layers)
 
     def __call__(self) -> Trainer:
-        path, widen, rank, alpha, dropout, seed, ckpt = self.args
+        path, frozen, rank, alpha, dropout, seed, ckpt = self.args
         ctx = fu.ExecContext(threads=1)
-        model = Model.from_gguf(ctx, path, widen_frozen=widen)
+        model = Model.from_gguf(ctx, path, **frozen)
         return Trainer(model, TARGETS, fu.lora.LoraConfig(rank, alpha, dropout), seed,
                        checkpoint_layers=ckpt)
 
@@ -296,7 +314,7 @@ class Session:
         self.chat = ChatTemplate.from_gguf(f, self.tok)   # the file's own template (think off)
         self.stop_ids = {i for i in map(self.tok.token_to_id, self.chat.stop_strings())
                          if i is not None}
-        self.model = Model.from_gguf(ctx, f, widen_frozen=opts.widen_frozen)
+        self.model = Model.from_gguf(ctx, f, **frozen_options(opts))
         alpha, dropout, lr, seed = opts.alpha, 0.0, opts.lr, opts.seed
         self.accum_steps = opts.accum_steps
         if state is not None:
@@ -925,6 +943,12 @@ def run(opts: Options, out=print) -> Result:
                                                                   and opts.lr >= 0):
         raise SystemExit(f"finetune: expected a finite --alpha > 0 and a finite --lr >= 0, got "
                          f"{opts.alpha:g}, {opts.lr:g}")
+    if opts.compute not in COMPUTE:
+        raise SystemExit(f"finetune: --compute: expected one of {', '.join(COMPUTE)}, got "
+                         f"{opts.compute!r}")
+    if opts.verify_grads and opts.compute != "f32":
+        raise SystemExit("finetune: --verify-grads checks the f32 gradients (its Taylor test "
+                         "needs smooth arithmetic); expected --compute f32 with it")
     if opts.verify_grads and (opts.export is not None or opts.load is not None):
         raise SystemExit("finetune: --verify-grads checks freshly initialised adapters instead "
                          "of training; expected it without --export and --load")
@@ -984,7 +1008,9 @@ def _run(ctx, path: str, opts: Options, state, out) -> Result:
 
 def _describe(s: Session, name: str, load_s: float, state, out) -> None:
     opts, c, cfg = s.opts, s.config, s.model.config
-    weights = "f32 copies of the frozen weights" if opts.widen_frozen else "frozen weights as stored"
+    weights = ("bf16 frozen weights, bf16 compute" if opts.compute == "bf16" else
+               "f32 copies of the frozen weights" if opts.widen_frozen else
+               "frozen weights as stored")
     lengths = [len(x.inputs) for x in s.samples]
     out(f"model: {name} ({cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden}, vocab "
         f"{cfg.vocab}, {weights})  load {load_s:.2f} s, {s.ctx.threads} thread(s)")
@@ -1124,6 +1150,9 @@ def parse_args(argv=None) -> Options:
                     help="recompute each layer in backward (activation checkpointing)")
     ap.add_argument("--no-widen-frozen", dest="widen_frozen", action="store_false",
                     help="keep the frozen weights as stored (quantized GEMMs; less memory)")
+    ap.add_argument("--compute", choices=COMPUTE, default=d.compute,
+                    help="the frozen projections' arithmetic: f32, or bf16 (weights held as "
+                         "bf16, activations rounded to bf16, f32 sums; default f32)")
     ap.add_argument("--no-sample", dest="sample", action="store_false",
                     help="skip the BEFORE/AFTER generations")
     ap.add_argument("--threads", type=int, help="worker threads (default: all cores)")

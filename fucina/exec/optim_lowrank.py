@@ -13,6 +13,7 @@ from ..codegen.target import host
 from . import elementwise as ew
 from .elementwise import f32_bits
 from .matmul import gemm
+from .matmul_bf16 import gemm_bf16
 from .optim import CHUNK, kernel, sum_squares
 from .raw import RawTensor
 
@@ -31,11 +32,13 @@ def _a(t) -> int:
     return 0 if t is None else t.addr
 
 
-def newton_schulz5(ctx, u: RawTensor, steps: int) -> RawTensor:
+def newton_schulz5(ctx, u: RawTensor, steps: int, bf16: bool = False) -> RawTensor:
     """≈ U·Vᵀ of a rank-2 f32 `u` (never written): Frobenius-normalise, then `steps` quintic
     iterations; a tall input (rows > cols) iterates on its transpose so the Gram matrix has the
     small side. inv = f32(1/(sqrt(Σx²) + 1e-7)) with Σx² the T-7 sum over the (transposed)
-    iterate's flat order. Returns a new contiguous [rows, cols] tensor."""
+    iterate's flat order. Returns a new contiguous [rows, cols] tensor. bf16: the three GEMMs
+    of each iteration through gemm_bf16 (operands rounded to bf16, f32 sums), B·X then added
+    to a·X in a second rounding; the rest stays f32."""
     rows, cols = u.shape
     transposed = rows > cols
     src = u.permute((1, 0)) if transposed else u
@@ -47,11 +50,18 @@ def newton_schulz5(ctx, u: RawTensor, steps: int) -> RawTensor:
         inv = 1.0 / (sum_squares(ctx, x) ** 0.5 + NS_EPS)
         ew.run(ctx, "mul", "f32", x.shape, (x, inv), out=x)
     for _ in range(steps):
-        a = gemm(ctx, x, x.permute((1, 0)))               # A = X·Xᵀ (the short side²)
-        q = gemm(ctx, a, a)                               # Q = A·A
-        axpby(ctx, q, a, q, NS_B, NS_C)                   # B = b·A + c·Q   (into q)
-        nxt = ew.run(ctx, "mul", "f32", x.shape, (x, NS_A))   # a·X ...
-        gemm(ctx, q, x, out=nxt, accumulate=True)         # ... + B·X, one rounding
+        if bf16:
+            a = gemm_bf16(ctx, x, x.permute((1, 0)))
+            q = gemm_bf16(ctx, a, a)
+            axpby(ctx, q, a, q, NS_B, NS_C)
+            nxt = gemm_bf16(ctx, q, x)
+            axpby(ctx, nxt, x, nxt, NS_A, 1.0)
+        else:
+            a = gemm(ctx, x, x.permute((1, 0)))               # A = X·Xᵀ (the short side²)
+            q = gemm(ctx, a, a)                               # Q = A·A
+            axpby(ctx, q, a, q, NS_B, NS_C)                   # B = b·A + c·Q   (into q)
+            nxt = ew.run(ctx, "mul", "f32", x.shape, (x, NS_A))   # a·X ...
+            gemm(ctx, q, x, out=nxt, accumulate=True)         # ... + B·X, one rounding
         x = nxt
         del a, q
     if transposed:

@@ -14,7 +14,9 @@ Per Muon slot (f32; β = momentum, w = 1 − β, both float32):
     O  = newton_schulz5(u[rows, cols], ns_steps)
     p  = p·keep − lr_eff·O                                        one fused kernel
 keep = f32(1 − lr·wd) (1 without decay); lr_eff in float32: spectral lr·sqrt(max(1, rows/cols)),
-match_rms_adamw (lr·0.2)·sqrt(max(rows, cols)).
+match_rms_adamw (lr·0.2)·sqrt(max(rows, cols)). ns_dtype="bf16" runs the Newton–Schulz GEMMs
+of bf16 leaves through the bf16 GEMM (operands rounded to bf16, f32 sums; what torch.optim.Muon
+does for every leaf); f32 and f16 leaves, and every leaf by default, iterate in f32.
 
 Frame (T-17): FZM3/FZM4/FZM5 | u8 scale | u8 nesterov | u32 ns_steps | u32 n | n × (name | dims |
 momentum buffer | [master]), immediately followed by the fallback's own AdamW frame. The Muon
@@ -38,6 +40,7 @@ from .base import StateBuf, WithFallback
 from .frames import Magics, StateDType, f32
 
 SCALES = ("spectral", "match_rms_adamw")  # index = the frame's u8 scale code
+NS_DTYPES = ("f32", "bf16")
 
 
 def _fallback_default() -> AdamWConfig:
@@ -48,7 +51,8 @@ def _fallback_default() -> AdamWConfig:
 class MuonConfig:
     """scale: "spectral" (Keller) | "match_rms_adamw" (Moonlight: reuse AdamW-tuned lr/wd);
     state_dtype: storage of the momentum buffer; fallback: the embedded AdamW's config (its own
-    state dtypes). Mutable: schedules write `lr` (and `fallback.lr`)."""
+    state dtypes); ns_dtype: "f32" (default) or "bf16" — the Newton–Schulz arithmetic of bf16
+    leaves. Mutable: schedules write `lr` (and `fallback.lr`)."""
 
     lr: float = 0.02
     momentum: float = 0.95
@@ -58,6 +62,7 @@ class MuonConfig:
     scale: str = "spectral"
     state_dtype: StateDType = StateDType.f32
     fallback: AdamWConfig = field(default_factory=_fallback_default)
+    ns_dtype: str = "f32"
 
     def __post_init__(self):
         self.state_dtype = StateDType.of(self.state_dtype)
@@ -113,6 +118,9 @@ class Muon(WithFallback):
         c, op = self.config, "Muon"
         if c.scale not in SCALES:
             raise InvalidOptimizerConfig(f"Muon: expected scale in {SCALES}, got {c.scale!r}")
+        if c.ns_dtype not in NS_DTYPES:
+            raise InvalidOptimizerConfig(f"Muon: ns_dtype: expected one of "
+                                         f"{', '.join(NS_DTYPES)}, got {c.ns_dtype!r}")
         if isinstance(c.ns_steps, bool) or not isinstance(c.ns_steps, numbers.Integral) \
                 or not 0 <= c.ns_steps < 1 << 32:
             raise InvalidOptimizerConfig(f"Muon: expected an int ns_steps in [0, 2^32), got "
@@ -155,7 +163,8 @@ class Muon(WithFallback):
             key = slot.cache[variant] = MuonMomentumKey(buf.dtype.name, *variant)
         upd = ctx.empty((slot.rows, slot.cols))
         xl.muon_momentum(ctx, key, grad, buf.addr, upd, w, beta)
-        ortho = xl.newton_schulz5(ctx, upd, c.ns_steps)
+        ortho = xl.newton_schulz5(ctx, upd, c.ns_steps,
+                                  bf16=c.ns_dtype == "bf16" and slot.dtype == "bf16")
         del upd
         keep = f32(1.0 - c.lr * c.weight_decay) if c.weight_decay != 0 else 1.0
         xl.muon_apply(ctx, MuonApplyKey(slot.dtype), slot.raw, slot.master, ortho, keep,

@@ -12,6 +12,11 @@ activations only. Matrices are retagged [out, in] with the axis names below; 1-D
 are widened to f32 when stored narrower (they are small). `output.weight` absent means the
 output projection is tied to token_embd. `widen_frozen=True` instead decodes every matrix to an
 f32 copy once (more memory, plain f32 GEMMs forward and backward): the finetune demo's default.
+`compute="bf16"` holds every matrix as bf16 (half the memory of f32; quantized and f16 ones are
+decoded, f32 ones rounded to nearest even) and runs every projection and the head through
+Tensor.dot_bf16: the activation (and, backward, its gradient) rounded to bf16, f32 sums through
+the CPU's bf16 dot instruction. Everything else — norms, RoPE, attention, softmax, the loss, any
+adapter — stays f32.
 
 One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
 deltas to the frozen projections (None = the plain model):
@@ -39,7 +44,7 @@ from ... import gguf
 from ...ag.rope import RopeTable
 from ...ag.engine import needs_graph
 from ...ag.tensor import Tensor
-from ...errors import IndexOutOfBounds, InvalidSequenceLength, ShapeMismatch
+from ...errors import IndexOutOfBounds, InvalidArgument, InvalidSequenceLength, ShapeMismatch
 from ...exec.quant import BLOCKS
 from .config import Config, UnsupportedModel
 
@@ -51,6 +56,7 @@ LINEARS = {"q": ("attn_q", "embed", "q"), "k": ("attn_k", "embed", "k"),
            "gate": ("ffn_gate", "embed", "ffn"), "up": ("ffn_up", "embed", "ffn"),
            "down": ("ffn_down", "ffn", "embed")}
 MATRIX_DTYPES = ("f32", "f16", "bf16", *BLOCKS)
+COMPUTE = ("f32", "bf16")   # Model.from_gguf(compute=...): the frozen projections' arithmetic
 
 
 @dataclass
@@ -89,8 +95,10 @@ class Model:
     tables it has built, cached per (offset, length) for its lifetime (checkpoint nodes and
     recorded graphs hold them)."""
 
-    def __init__(self, ctx, config: Config, token_embd, output_norm, output, layers, source=None):
+    def __init__(self, ctx, config: Config, token_embd, output_norm, output, layers, source=None,
+                 compute: str = "f32"):
         self.ctx, self.config = ctx, config
+        self.compute = compute        # "bf16": projections through dot_bf16 (see from_gguf)
         self.token_embd, self.output_norm, self.output = token_embd, output_norm, output
         self.layers = layers
         self.source = source          # the GGUFFile whose mapping backs the weights
@@ -104,9 +112,12 @@ class Model:
 
     # ---- loading ----
     @classmethod
-    def from_gguf(cls, ctx, gguf_file, *, widen_frozen: bool = False) -> "Model":
+    def from_gguf(cls, ctx, gguf_file, *, widen_frozen: bool = False,
+                  compute: str = "f32") -> "Model":
         """The model of a GGUF file (a `fu.gguf.read(path, ctx)` result or a path). Missing or
-        unusable tensors raise UnsupportedModel, wrong sizes ShapeMismatch (naming the tensor)."""
+        unusable tensors raise UnsupportedModel, wrong sizes ShapeMismatch (naming the tensor).
+        compute: "f32" (the default) or "bf16" (matrices held as bf16, projections in bf16;
+        excludes widen_frozen)."""
         if isinstance(gguf_file, (str, bytes, os.PathLike)):
             gguf_file = gguf.read(gguf_file, ctx)
         if not isinstance(gguf_file, gguf.GGUFFile):
@@ -115,8 +126,14 @@ class Model:
         if not isinstance(widen_frozen, bool):
             raise TypeError(f"decoder.Model.from_gguf: expected widen_frozen as a bool, got "
                             f"{widen_frozen!r}")
+        if compute not in COMPUTE:
+            raise InvalidArgument(f"decoder.Model.from_gguf: compute: expected one of "
+                                  f"{', '.join(COMPUTE)}, got {compute!r}")
+        if compute == "bf16" and widen_frozen:
+            raise InvalidArgument("decoder.Model.from_gguf: compute='bf16' holds the frozen "
+                                  "matrices as bf16; expected widen_frozen=False with it")
         cfg = Config.from_gguf(gguf_file)
-        load = _Loader(ctx, gguf_file, cfg, widen_frozen)
+        load = _Loader(ctx, gguf_file, cfg, widen_frozen, compute)
         embd = load.matrix("token_embd.weight", ("vocab", "embed"), (cfg.vocab, cfg.hidden))
         if "output.weight" in gguf_file.tensors:
             out = load.matrix("output.weight", ("vocab", "embed"), (cfg.vocab, cfg.hidden))
@@ -124,7 +141,7 @@ class Model:
             out = embd   # tied
         layers = [load.layer(i) for i in range(cfg.num_layers)]
         return cls(ctx, cfg, embd, load.vector("output_norm.weight", cfg.hidden), out, layers,
-                   gguf_file)
+                   gguf_file, compute)
 
     def for_matvec(self) -> None:
         """Give every projection and the head a copy laid out for one-row products
@@ -178,9 +195,11 @@ class Model:
         return x if s == 1.0 else x.scale(s)
 
     def dot(self, x: Tensor, w: Tensor, tag: str) -> Tensor:
-        """x · w for a projection: with `q8_matvec` set, a single row without a graph takes
-        the 8-bit-activation integer dot (Tensor.dot_q8; serving's decode steps), else the
-        exact dot."""
+        """x · w for a projection: in bf16 (Tensor.dot_bf16) when the model computes in bf16;
+        with `q8_matvec` set, a single row without a graph takes the 8-bit-activation integer
+        dot (Tensor.dot_q8; serving's decode steps), else the exact dot."""
+        if self.compute == "bf16":
+            return x.dot_bf16(w, tag)
         if self.q8_matvec and x.shape[0] == 1 and not needs_graph(x):
             return x.dot_q8(w, tag)
         return x.dot(w, tag)
@@ -288,8 +307,8 @@ def check_tokens(op: str, tokens, vocab: int) -> np.ndarray:
 class _Loader:
     """Fetches and checks the named tensors of one file."""
 
-    def __init__(self, ctx, f, cfg: Config, widen: bool):
-        self.ctx, self.f, self.cfg, self.widen = ctx, f, cfg, widen
+    def __init__(self, ctx, f, cfg: Config, widen: bool, compute: str):
+        self.ctx, self.f, self.cfg, self.widen, self.compute = ctx, f, cfg, widen, compute
 
     def get(self, name: str):
         t = self.f.tensors.get(name)
@@ -310,6 +329,8 @@ class _Loader:
                                    f"{MATRIX_DTYPES}, got {t.dtype}")
         if self.widen and t.dtype != "f32":
             t = t.to("f32")
+        if self.compute == "bf16" and t.dtype != "bf16":
+            t = (t if t.dtype in ("f32", "f16") else t.to("f32")).to("bf16")
         return _retag(t, tags)
 
     def vector(self, name: str, n: int, tag: str = "embed") -> Tensor:

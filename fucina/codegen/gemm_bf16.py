@@ -1,0 +1,488 @@
+"""bf16 GEMM kernels: both operands rounded to bf16 when packed, products summed in f32 through
+AVX-512 BF16's dot instruction (vdpbf16ps), or its exact emulation where the host lacks it.
+
+The exec layer (fucina/exec/matmul_bf16.py) views a[M, K] (f32) and b[K, N] (f32 or bf16)
+with any element strides and computes a contiguous f32 c[M, N]. Two families:
+
+  gemm_bf16_pack  copies an operand into panels of `width` rows along its free axis (A: MR rows
+                  of a; B: NR columns of b), as bf16 k-pairs: one 32-bit word per (pair, row)
+                  holds k = 2p in its low half and k = 2p + 1 in its high half (zero past K).
+                  Layout: P[kb][panel][p - kb*KC/2][w] (words). An f32 value becomes bf16 by the
+                  round-to-nearest-even of Tensor.to("bf16") (SPEC R-9: NaN kept quiet); then
+                  any bf16 denormal becomes a zero of its sign (the instruction reads them as
+                  zeros: flushing them here lets the emulation skip that case).
+  gemm_bf16_tile  the f32 GEMM's tile structure (fucina.codegen.gemm): one chunk = one (MC-row,
+                  NC-column) tile of C, for each KC block in increasing order, NR panels of B,
+                  MR panels of A, MR x NR f32 accumulators; for each k pair in increasing order
+                  acc = dpbf16(acc, a pair, b pair). A comes packed by gemm_bf16_pack; each
+                  KC x NR panel of B is packed by the same loops straight from b into a 32 KiB
+                  stack buffer (L1) where the MR panels of A run over it: the frozen weight is
+                  read once per M block, never written back packed. Partial sums of earlier KC
+                  blocks go to C and are reloaded (exact). The k order is fixed, the chunk grid
+                  depends on the problem size only: bitwise identical for any thread count.
+
+What vdpbf16ps computes, probed on this project's Zen 5 host (tests/test_gemm_bf16.py keeps the
+probe): per f32 lane, acc' = R(R(acc + a₁·b₁) + a₀·b₀) — the odd element of the pair first,
+each product exact (a bf16 product fits in 16 bits), each sum rounded once to nearest even,
+then flushed to a zero of its sign when tiny, tininess judged after rounding with an unbounded
+exponent (a sum just below 2^-126 that rounds up to it stays); bf16 denormal inputs and a
+denormal acc read as zeros. That is Intel's pseudo-code; products that are themselves below the
+f32 range still count exactly. The emulation (`native=False`) computes the same bits with FMAs:
+r = fma(a, b, acc) is the rounded sum (no product rounding), a tiny r becomes a signed zero, and
+when |r| is exactly 2^-126 the residual fma(a·2^24, b, (acc - r)·2^24) tells whether the exact
+sum lay in the band just below that FMA's denormal rounding and the instruction's unbounded one
+disagree (a sum below 2^-126 - 2^-151 is tiny). NaN results are NaN in both, their payloads may
+differ.
+
+Argument blocks are documented at each key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+
+from . import irutil as u
+from .gemm import _mask_upto, _zero_mask, lanes, transpose
+from .kernels import KernelKey, register
+from .target import host
+
+KC = 512          # at most this many k per block (even): a KC x NR panel of B is 32 KiB of
+                  # bf16 pairs, in L1 (exec splits K into equal even blocks up to KC)
+NR_VECS = 2       # vectors of f32 accumulators across the micro-tile (NR = NR_VECS * lanes)
+UNROLL = 2        # k pairs per iteration of the micro-kernel's loop
+PF_ROWS = 16      # packing along rows far apart (wvec): prefetch this many rows ahead ...
+PF_K = 128        # ... along k-contiguous rows (kvec): this many elements ahead
+TINY = 2.0 ** -126
+
+
+def native() -> bool:
+    """The host has vdpbf16ps on 512-bit vectors (Zen 4 / Zen 5, Sapphire Rapids)."""
+    f = host().features
+    return host().vector_bits == 512 and "+avx512bf16" in f
+
+
+def mr() -> int:
+    """MR x NR_VECS accumulators + NR_VECS B vectors + a broadcast in 32 zmm (14 x 2 + 3)."""
+    return 14 if host().vector_bits >= 512 else 6
+
+
+def nr() -> int:
+    return NR_VECS * lanes()
+
+
+class _BFloat(ir.Type):
+    """LLVM's `bfloat` (llvmlite has no such type): only the intrinsic's signature needs it."""
+
+    def __str__(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+def _iv(W):
+    return ir.VectorType(u.I32, W)
+
+
+def _fv(W):
+    return ir.VectorType(u.F32, W)
+
+
+def _flush16(b, h):
+    """bf16 bits (i16 lanes): a denormal becomes a zero of its sign."""
+    t = h.type
+    den = b.icmp_unsigned("==", b.and_(h, u.const(t, 0x7F80)), u.const(t, 0))
+    return b.select(den, b.and_(h, u.const(t, 0x8000)), h)
+
+
+def load_bits(b, base, index, dt, n, mask=None):
+    """n elements of an f32 or bf16 array as flushed bf16 bits (<n x i16>), f32 rounded to
+    nearest even (u.narrow); masked-off lanes read zero."""
+    if dt == "f32":
+        v = u.load(b, base, index, "f32", n, mask)
+        h = u.narrow(b, v, "bf16")
+    else:
+        st = ir.VectorType(u.I16, n)
+        p = b.gep(base, [index], source_etype=u.I16)
+        if mask is None:
+            h = b.load(p, typ=st)
+            h.align = 2
+        else:
+            h = u.intrinsic(b, "llvm.masked.load", st, [p, ir.Constant(u.I32, 2), mask,
+                                                        u.const(st, 0)], types=[st, u.PTR])
+    return _flush16(b, h)
+
+
+def _load_bit(b, base, index, dt):
+    """One element as flushed bf16 bits (i16)."""
+    if dt == "f32":
+        h = u.narrow(b, u.load(b, base, index, "f32"), "bf16")
+    else:
+        h = b.load(b.gep(base, [index], source_etype=u.I16), typ=u.I16)
+    return _flush16(b, h)
+
+
+def _pair(b, lo, hi):
+    """Two i16 (vectors) -> the i32 word(s) holding lo in the low half, hi in the high half."""
+    t = ir.VectorType(u.I32, lo.type.count) if isinstance(lo.type, ir.VectorType) else u.I32
+    return b.or_(b.zext(lo, t), b.shl(b.zext(hi, t), u.const(t, 16)))
+
+
+# ---------------------------------------------------------------------------------------------
+# packing
+
+@register
+@dataclass(frozen=True)
+class GemmBf16PackKey(KernelKey):
+    """Copy an operand into bf16 pair panels of `width` along its free axis (module docstring).
+
+    Arguments: 0 src, 1 dst, 2 rows (extent along the panel width), 3 K, 4 s_w, 5 s_k, 6 KC
+    (even), 7 panels, 8 panels per chunk, 9 panel groups. Chunk c = kb * groups + g packs KC
+    block kb of panels [g*per, (g+1)*per).
+      wvec — unit stride along the width: vector loads of two k rows, interleaved;
+      kvec — unit stride along k: W rows x W pairs loaded along k, transposed in registers;
+      any  — scalar loads.
+    """
+    family = "gemm_bf16_pack"
+    dtype: str    # source dtype: f32 | bf16
+    width: int
+    mode: str     # wvec | kvec | any
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_pack(self, symbol))
+
+
+def _build_pack(key: GemmBf16PackKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = lanes()
+    Wp, dt = key.width, key.dtype
+    src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+    rows, K, s_w, s_k, KC, npan, per, ngroups = (u.arg(b, args, i) for i in range(2, 10))
+    one = u.i64(1)
+    ppad = b.mul(npan, u.i64(Wp))
+    nkb = b.sdiv(b.add(K, b.sub(KC, one)), KC)
+    with u.Loop(b, c0, c1, 1, "q") as q:
+        grp = b.srem(q, ngroups)
+        kb = b.sdiv(q, ngroups)
+        p0 = b.mul(grp, per)
+        p1 = u.smin(b, b.add(p0, per), npan)
+        k0 = b.mul(kb, KC)
+        kcl = u.smin(b, KC, b.sub(K, k0))
+        kpl = b.sdiv(b.add(kcl, one), u.i64(2))             # pairs in this block
+        blk = b.mul(b.sdiv(k0, u.i64(2)), ppad)            # words before this block
+        pstride = b.mul(kpl, u.i64(Wp))
+        sk0 = b.mul(k0, s_k)
+        with u.Loop(b, p0, p1, 1, "p") as p:
+            w0 = b.mul(p, u.i64(Wp))
+            wvalid = u.smin(b, u.i64(Wp), b.sub(rows, w0))
+            panel = b.add(blk, b.mul(p, pstride))
+            sbase = b.add(sk0, b.mul(w0, s_w))
+            if key.mode == "wvec":
+                _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W)
+            elif key.mode == "kvec":
+                _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W)
+            else:
+                _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt)
+    b.ret_void()
+    return mod
+
+
+def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W):
+    nvec = -(-Wp // W)
+    with u.Loop(b, u.i64(0), kpl, 1, "kp") as kp:
+        k = b.mul(kp, u.i64(2))
+        row0 = b.add(sbase, b.mul(k, s_k))
+        row1 = b.add(row0, s_k)
+        has1 = b.icmp_signed("<", b.add(k, u.i64(1)), kcl)
+        # rows far apart: fetch the piece PF_ROWS rows on (its lines are in no stream yet)
+        ahead = b.add(row0, b.mul(u.i64(PF_ROWS), s_k))
+        for line in range(-(-(Wp * u.ITEMSIZE[dt]) // 64)):
+            u.prefetch(b, src, b.add(ahead, u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
+            u.prefetch(b, src, b.add(b.add(ahead, s_k), u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
+        for v in range(nvec):
+            m = _mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
+            lo = load_bits(b, src, b.add(row0, u.i64(v * W)), dt, W, m)
+            # the odd row past K reads nothing (its address may lie past the operand)
+            m1 = b.select(has1, m, _zero_mask(W))
+            hi = load_bits(b, src, b.select(has1, b.add(row1, u.i64(v * W)), row0), dt, W, m1)
+            sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
+            word = _pair(b, lo, hi)
+            p = b.gep(dst, [b.add(b.add(panel, b.mul(kp, u.i64(Wp))), u.i64(v * W))],
+                      source_etype=u.I32)
+            if sm is None:
+                s = b.store(word, p)
+                s.align = 4
+            else:
+                u.intrinsic(b, "llvm.masked.store", u.VOID, [word, p, ir.Constant(u.I32, 4), sm],
+                            types=[word.type, u.PTR])
+
+
+def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
+    """Unit stride along k: for each group of W rows, 2W consecutive k of every row (W pairs)
+    are loaded and transposed, so each vector holds one pair of W rows."""
+    nvec = -(-Wp // W)
+    iv = _iv(W)
+    for g in range(nvec):
+        width_g = min(W, Wp - g * W)
+        sm = None if width_g == W else u.tail_mask(b, u.i64(width_g), W)
+        with u.Loop(b, u.i64(0), kcl, 2 * W, f"kt{g}") as kt:
+            kn = u.smin(b, u.i64(2 * W), b.sub(kcl, kt))
+            kmask = u.tail_mask(b, kn, 2 * W)
+            zero2 = ir.Constant(ir.VectorType(u.I1, 2 * W), [ir.Constant(u.I1, 0)] * (2 * W))
+            vecs = []
+            for t in range(W):
+                w = g * W + t
+                if w >= Wp:
+                    vecs.append(u.const(iv, 0))
+                    continue
+                m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, zero2)
+                at = b.add(b.add(sbase, b.mul(u.i64(w), s_w)), kt)
+                u.prefetch(b, src, b.add(at, u.i64(PF_K)), dt)
+                h = load_bits(b, src, at, dt, 2 * W, m)
+                vecs.append(b.bitcast(h, iv))           # little endian: even k in the low half
+            cols = transpose(b, vecs)
+            npairs = b.sdiv(b.add(kn, u.i64(1)), u.i64(2))
+            kp0 = b.sdiv(kt, u.i64(2))
+            for j in range(W):
+                with b.if_then(b.icmp_signed("<", u.i64(j), npairs)):
+                    p = b.gep(dst, [b.add(panel, b.add(b.mul(b.add(kp0, u.i64(j)), u.i64(Wp)),
+                                                       u.i64(g * W)))], source_etype=u.I32)
+                    if sm is None:
+                        s = b.store(cols[j], p)
+                        s.align = 4
+                    else:
+                        u.intrinsic(b, "llvm.masked.store", u.VOID,
+                                    [cols[j], p, ir.Constant(u.I32, 4), sm],
+                                    types=[iv, u.PTR])
+
+
+def _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt):
+    with u.Loop(b, u.i64(0), kpl, 1, "kp") as kp:
+        k = b.mul(kp, u.i64(2))
+        with u.Loop(b, u.i64(0), u.i64(Wp), 1, "w") as w:
+            slot = u.entry_alloca(b, u.I32)
+            b.store(u.const(u.I32, 0), slot)
+            with b.if_then(b.icmp_signed("<", w, wvalid)):
+                at = b.add(sbase, b.add(b.mul(w, s_w), b.mul(k, s_k)))
+                lo = _load_bit(b, src, at, dt)
+                hslot = u.entry_alloca(b, u.I16)
+                b.store(u.const(u.I16, 0), hslot)
+                with b.if_then(b.icmp_signed("<", b.add(k, u.i64(1)), kcl)):
+                    b.store(_load_bit(b, src, b.add(at, s_k), dt), hslot)
+                b.store(_pair(b, lo, b.load(hslot)), slot)
+            b.store(b.load(slot), b.gep(dst, [b.add(panel, b.add(b.mul(kp, u.i64(Wp)), w))],
+                                        source_etype=u.I32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the tile kernel
+
+@register
+@dataclass(frozen=True)
+class GemmBf16TileKey(KernelKey):
+    """C tiles from A's pair panels and b itself (module docstring).
+
+    Arguments: 0 Ap, 1 b, 2 C, 3 M, 4 N, 5 K, 6 KC (even), 7 MC, 8 NC, 9 M blocks, 10 N
+    blocks, 11 M blocks fastest (else N blocks fastest) in the chunk order, 12 s_bk, 13 s_bn
+    (b's element strides). C contiguous [M, N].
+    native: vdpbf16ps (AVX-512 BF16) or its FMA emulation — the same bits. b_mode: how b's
+    panels are packed (gemm_bf16_pack's modes: wvec = unit stride along n, kvec = along k).
+    """
+    family = "gemm_bf16_tile"
+    mr: int
+    nr_vecs: int
+    unroll: int
+    native: bool
+    b_dtype: str   # f32 | bf16
+    b_mode: str    # wvec | kvec | any
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_tile(self, symbol))
+
+
+def _next_panel_lines(b, key, src, sbase, kcl, wvalid, s_bk, s_bn, ok):
+    """(line count, prefetch(line)) of the KC x NR panel of b at sbase: kvec — wvalid rows of
+    kcl k-contiguous elements; wvec — kcl rows of wvalid n-contiguous ones. No lines unless
+    `ok` (there is a next panel)."""
+    dt = key.b_dtype
+    epl = 64 // u.ITEMSIZE[dt]                     # elements per cache line
+    if key.b_mode == "kvec":
+        per_row = b.sdiv(b.add(kcl, u.i64(epl - 1)), u.i64(epl))
+        rows, stride = wvalid, s_bn
+    else:
+        per_row = b.sdiv(b.add(wvalid, u.i64(epl - 1)), u.i64(epl))
+        rows, stride = kcl, s_bk
+    total = b.select(ok, b.mul(rows, per_row), u.i64(0))
+
+    def prefetch_line(ln):
+        r = b.sdiv(ln, per_row)
+        e = b.mul(b.srem(ln, per_row), u.i64(epl))
+        u.prefetch(b, src, b.add(sbase, b.add(b.mul(r, stride), e)), dt)
+    return total, prefetch_line
+
+
+def _dp_native(b, W):
+    vb = ir.VectorType(_BFloat(), 2 * W)
+    fv = _fv(W)
+    name = "llvm.x86.avx512bf16.dpbf16ps.512"
+    fn = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(fv, [fv, vb, vb]),
+                                                   name=name)
+
+    def dp(acc, a, bv):
+        return b.call(fn, [acc, b.bitcast(a, vb), b.bitcast(bv, vb)])
+    return dp
+
+
+def _halves(b, w, W):
+    """A vector of bf16 pair words -> (even elements, odd elements) as f32 (exact)."""
+    iv = _iv(W)
+    even = b.bitcast(b.shl(w, u.const(iv, 16)), _fv(W))
+    odd = b.bitcast(b.and_(w, u.const(iv, -65536)), _fv(W))
+    return even, odd
+
+
+def _add_product(b, acc, x, y, W):
+    """The instruction's one step, acc + x·y rounded once, tiny results flushed (see the module
+    docstring for the band at 2^-126)."""
+    fv, iv = _fv(W), _iv(W)
+    r = u.intrinsic(b, "llvm.fma", fv, [x, y, acc])
+    rb = b.bitcast(r, iv)
+    mag = b.and_(rb, u.const(iv, 0x7FFFFFFF))
+    sign = b.and_(rb, u.const(iv, -0x80000000))
+    tiny_bits = 0x00800000                                      # 2^-126
+    below = b.icmp_unsigned("<", mag, u.const(iv, tiny_bits))
+    at_edge = b.icmp_unsigned("==", mag, u.const(iv, tiny_bits))
+    scale = u.const(fv, 2.0 ** 24)
+    e = u.intrinsic(b, "llvm.fma", fv, [b.fmul(x, scale), y, b.fmul(b.fsub(acc, r), scale)])
+    # sign(r)·e < -2^-127: the exact sum lay more than 2^-151 below |r| = 2^-126
+    e_toward = b.bitcast(b.xor(b.bitcast(e, iv), sign), fv)
+    band = b.and_(at_edge, b.fcmp_ordered("<", e_toward, u.const(fv, -(2.0 ** -127))))
+    flush = b.or_(below, band)
+    return b.bitcast(b.select(flush, sign, rb), fv)
+
+
+def _dp_emulated(b, W):
+    def dp(acc, a, bv):
+        a0, a1 = _halves(b, a, W)
+        b0, b1 = _halves(b, bv, W)
+        return _add_product(b, _add_product(b, acc, a1, b1, W), a0, b0, W)
+    return dp
+
+
+def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = lanes()
+    R, V, U = key.mr, key.nr_vecs, key.unroll
+    fv, iv = _fv(W), _iv(W)
+    NRc = V * W
+    Ap, Bsrc, C = (u.arg_ptr(b, args, i) for i in range(3))
+    M, N, K, kc, MC, NC, nmb, nnb, mfast, s_bk, s_bn = (u.arg(b, args, i) for i in range(3, 14))
+    Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
+    dp = _dp_native(b, W) if key.native else _dp_emulated(b, W)
+    bp = u.entry_alloca(b, ir.ArrayType(u.I32, KC // 2 * NRc))
+    bp.align = 64
+    bp.type = u.PTR
+    accs = [[u.entry_alloca(b, fv, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
+    two = u.i64(2)
+
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        by_m = b.icmp_signed("!=", mfast, u.i64(0))
+        mb = b.select(by_m, b.srem(c, nmb), b.sdiv(c, nnb))
+        nb = b.select(by_m, b.sdiv(c, nmb), b.srem(c, nnb))
+        row0 = b.mul(mb, MC)
+        row1 = u.smin(b, b.add(row0, MC), M)
+        col0 = b.mul(nb, NC)
+        col1 = u.smin(b, b.add(col0, NC), N)
+        with u.Loop(b, u.i64(0), K, kc, "k0") as k0:
+            kcl = u.smin(b, kc, b.sub(K, k0))
+            kpl = b.sdiv(b.add(kcl, u.i64(1)), two)
+            first = b.icmp_signed("==", k0, u.i64(0))
+            kp0 = b.sdiv(k0, two)
+            ablk = b.mul(kp0, Mp)
+            with u.Loop(b, col0, col1, NRc, "j0") as j0:
+                nvalid = b.sub(N, j0)
+                # this KC x NR panel of b, packed into the stack buffer
+                sbase = b.add(b.mul(k0, s_bk), b.mul(j0, s_bn))
+                wvalid = u.smin(b, u.i64(NRc), nvalid)
+                if key.b_mode == "wvec":
+                    _pack_wvec(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bk, NRc,
+                               key.b_dtype, W)
+                elif key.b_mode == "kvec":
+                    _pack_kvec(b, Bsrc, bp, sbase, u.i64(0), kcl, wvalid, s_bn, NRc,
+                               key.b_dtype, W)
+                else:
+                    _pack_any(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bn, s_bk, NRc,
+                              key.b_dtype)
+                cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
+                pf = None
+                if key.b_mode in ("wvec", "kvec"):
+                    # the next panel: along this block's columns, else the next k block's
+                    # first, else the first of the columns after this chunk's
+                    nxt = b.add(j0, u.i64(NRc))
+                    in_blk = b.icmp_signed("<", nxt, col1)
+                    k1 = b.add(k0, kc)
+                    in_k = b.icmp_signed("<", k1, K)
+                    pk = b.select(in_blk, k0, b.select(in_k, k1, u.i64(0)))
+                    pj = b.select(in_blk, nxt, b.select(in_k, col0, col1))
+                    pkl = u.smin(b, kc, b.sub(K, pk))
+                    pf = _next_panel_lines(b, key, Bsrc, b.add(b.mul(pk, s_bk), b.mul(pj, s_bn)),
+                                           pkl, u.smin(b, u.i64(NRc), b.sub(N, pj)), s_bk, s_bn,
+                                           b.icmp_signed("<", pj, N))
+                n_i0 = b.sdiv(b.add(b.sub(row1, row0), u.i64(R - 1)), u.i64(R))
+                with u.Loop(b, row0, row1, R, "i0") as i0:
+                    if pf is not None:
+                        # a share of the next panel's lines on their way while this one computes
+                        total, prefetch_line = pf
+                        per = b.sdiv(b.add(total, b.sub(n_i0, u.i64(1))), n_i0)
+                        l0 = b.mul(b.sdiv(b.sub(i0, row0), u.i64(R)), per)
+                        with u.Loop(b, l0, u.smin(b, b.add(l0, per), total), 1, "pf") as ln:
+                            prefetch_line(ln)
+                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
+                    mvalid = b.sub(M, i0)
+                    coff = b.add(b.mul(i0, N), j0)
+                    masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
+                                       _zero_mask(W)) for v in range(V)] for r in range(R)]
+
+                    def cidx(r, v):
+                        return b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+
+                    with b.if_else(first) as (then, other):
+                        with then:
+                            for r in range(R):
+                                for v in range(V):
+                                    b.store(u.const(fv, 0.0), accs[r][v])
+                        with other:
+                            for r in range(R):
+                                for v in range(V):
+                                    b.store(u.load(b, C, cidx(r, v), "f32", W, masks[r][v]),
+                                            accs[r][v])
+
+                    def step(kk):
+                        bv = []
+                        for v in range(V):
+                            x = b.load(b.gep(bp, [b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W))],
+                                             source_etype=u.I32), typ=iv)
+                            x.align = 4
+                            bv.append(x)
+                        for r in range(R):
+                            a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
+                                             source_etype=u.I32), typ=u.I32)
+                            av = u.splat(b, a, W)
+                            for v in range(V):
+                                b.store(dp(b.load(accs[r][v]), av, bv[v]), accs[r][v])
+
+                    kmain = b.sub(kpl, b.srem(kpl, u.i64(U)))
+                    with u.Loop(b, u.i64(0), kmain, U, "k") as k:
+                        for s in range(U):
+                            step(b.add(k, u.i64(s)))
+                    with u.Loop(b, kmain, kpl, 1, "kr") as k:
+                        step(k)
+                    for r in range(R):
+                        for v in range(V):
+                            u.store(b, b.load(accs[r][v]), C, cidx(r, v), "f32", masks[r][v])
+    b.ret_void()
+    return mod
