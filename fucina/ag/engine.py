@@ -65,9 +65,12 @@ class Node:
         self.released = False
 
     def release(self):
-        """The output tensor was released before backward: drop what the VJP saved."""
+        """The output tensor was released: drop what the VJP saved, and the links to the
+        parents, so a graph whose intermediates nothing else holds (a graph scope's) goes back
+        to the pool with it. A backward reaching this node raises GraphNodeReleased."""
         self.released = True
         self.vjp = None
+        self.parents = ()
 
 
 class Leaf(Node):
