@@ -148,6 +148,12 @@ def backward(root, seed) -> None:
                     _drain(parent, ready, grads)
 
 
+def sole_view(raw) -> bool:
+    """raw is the only view of a pooled buffer (nothing else — no tensor, view, numpy array or
+    borrowed source — can see it), so a VJP consuming it may overwrite it in place."""
+    return raw.buf.pooled and sys.getrefcount(raw.buf) == 2   # raw's slot + the argument
+
+
 def _own(ctx, g, shared):
     """g as a leaf's own f32 accumulator. A VJP may pass one buffer to several operands (add
     gives both the same g) or hand back the seed itself; a leaf adopts a buffer only when no
