@@ -810,6 +810,48 @@ def test_step_keeps_only_what_backward_reads(files):
             assert_bitwise(ours[1][k], g)
 
 
+def _mapped_rss(f) -> int:
+    """Resident bytes of the mapping behind GGUFFile f (/proc/self/smaps)."""
+    inside = next(iter(f.tensors.values()))._raw.buf.addr
+    total, mine = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:   # a mapping's first line
+                lo, hi = (int(v, 16) for v in head[0].split("-"))
+                mine = lo <= inside < hi
+            elif mine and head[:1] == ["Rss:"]:
+                total += int(head[1]) * 1024
+    return total
+
+
+def test_widened_matrices_leave_the_file_pages(ctx1, tmp_path):
+    """widen_frozen decodes each quantized matrix to an f32 copy and drops the file's pages of
+    it from the resident set (GGUFFile.release_pages): the mapping keeps at most a page per
+    tensor edge, where an unwidened model keeps every page it read; the quantized tensors stay
+    readable (their pages come back) and the model computes the same logits."""
+    path = tmp_path / "q8.gguf"
+    write_model(path, dtype="q8_0", hidden=256, ffn=1024, heads=4, kv=2, hd=64, vocab=512)
+    toks = [1, 5, 9, 200, 3]
+    out = []
+    for widen in (False, True):
+        f = fu.gguf.read(path, ctx1)
+        m = Model.from_gguf(ctx1, f, widen_frozen=widen)
+        with ctx1.exec_scope():
+            out.append(m.forward_logits(toks).numpy())
+        if not widen:
+            for t in f.tensors.values():
+                t.data_const().sum()                           # every page read once
+            kept = _mapped_rss(f)
+            quant = {n: t.data_const().copy() for n, t in f.tensors.items()}
+    matrices = sum(i.nbytes for n, i in f.infos.items() if i.type_name == "q8_0")
+    assert kept >= matrices
+    assert _mapped_rss(f) <= 4096 * (2 * len(f.infos) + 2) < matrices // 4
+    for n, t in f.tensors.items():
+        assert_bitwise(t.data_const(), quant[n])
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-4, atol=1e-4)   # f32 copy vs q8_0 blocks
+
+
 # ---------------------------------------------------------------------------------------------
 # training
 

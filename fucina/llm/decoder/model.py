@@ -11,7 +11,8 @@ copied): every linear is a frozen right operand of `dot` (SPEC A-8), so gradient
 activations only. Matrices are retagged [out, in] with the axis names below; 1-D norm weights
 are widened to f32 when stored narrower (they are small). `output.weight` absent means the
 output projection is tied to token_embd. `widen_frozen=True` instead decodes every matrix to an
-f32 copy once (more memory, plain f32 GEMMs forward and backward): the finetune demo's default.
+f32 copy once (more memory, plain f32 GEMMs forward and backward) and drops the file's pages of
+it from the resident set: the finetune demo's default.
 
 One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
 deltas to the frozen projections (None = the plain model):
@@ -301,6 +302,7 @@ class _Loader:
                                    f"{MATRIX_DTYPES}, got {t.dtype}")
         if self.widen and t.dtype != "f32":
             t = t.to("f32")
+            self.f.release_pages([name])   # decoded once: the f32 copy is what we read now
         return _retag(t, tags)
 
     def vector(self, name: str, n: int, tag: str = "embed") -> Tensor:
