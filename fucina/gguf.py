@@ -119,6 +119,24 @@ class GGUFFile:
         self.path, self.version, self.alignment = path, version, alignment
         self.metadata, self.infos, self.tensors = metadata, infos, tensors
         self.data_offset = data_offset
+        self._map = None   # the mmap behind the tensors (read() sets it)
+
+    def release_pages(self, names) -> int:
+        """Drop this process's resident copies of the pages that lie wholly inside the named
+        tensors' data (madvise MADV_DONTNEED), for a reader done with them — a model that
+        decoded its matrices to f32 copies. The tensors stay valid: a later read brings their
+        pages back from the page cache. Returns the bytes released."""
+        if self._map is None or not hasattr(self._map, "madvise"):
+            return 0
+        page, done = mmap.PAGESIZE, 0
+        for name in names:
+            info = self.infos[name]
+            lo = -(-info.file_offset // page) * page
+            hi = (info.file_offset + info.nbytes) // page * page
+            if hi > lo:
+                self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                done += hi - lo
+        return done
 
     def __repr__(self):
         return (f"GGUFFile({self.path!r}, v{self.version}, {len(self.metadata)} keys, "
@@ -249,7 +267,9 @@ def read(path, ctx) -> GGUFFile:
     for name, ne, gtype, offset in descs:
         infos[name] = _info(c, name, ne, gtype, offset, alignment, data_offset, infos)
     tensors = {name: _tensor(ctx, buf, info) for name, info in infos.items()}
-    return GGUFFile(path, version, alignment, metadata, infos, tensors, data_offset)
+    f = GGUFFile(path, version, alignment, metadata, infos, tensors, data_offset)
+    f._map = mm
+    return f
 
 
 def _info(c, name, ne, gtype, offset, alignment, data_offset, infos) -> TensorInfo:

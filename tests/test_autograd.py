@@ -349,6 +349,71 @@ def test_pool_acceptance_under_a_scope_touches_32_buffers(ctx):
     assert len(seen) == 32
 
 
+def test_graph_scope_frees_what_backward_does_not_read(ctx):
+    """Inside a graph scope a chain of 32 same-shaped ops under gradients touches 2 buffers (an
+    add saves nothing: each link dies once the next is made, as without a scope), composed ops
+    still find a scope open, and the result handed to the enclosing scope is its borrow."""
+    n = (1 << 20) // 4
+    w = ctx.variable(np.ones(n, np.float32), ("n",))
+    x = ctx.tensor(np.zeros(n, np.float32), ("n",))
+    seen = set()
+    with ctx.exec_scope():
+        with ctx.graph_scope():
+            y = x + w
+            for _ in range(32):
+                y = y.add_scalar(1.0)
+                seen.add(y.data_const().__array_interface__["data"][0])
+            assert not y.scope_owned
+            s = fu.einsum_many((), y, ctx.tensor(np.ones(n, np.float32), ("n",)))  # composed
+        assert not s.scope_owned
+        assert s._to_scope() is s and s.scope_owned
+        s.backward()
+        assert s.numpy() == 33.0 * n
+    assert len(seen) == 2
+    with pytest.raises(fu.UseAfterRelease, match="exec scope closed"):
+        s.numpy()
+    assert w.grad().numpy()[:3].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_graph_scope_nests_with_exec_scopes(ctx):
+    """An exec scope inside a graph scope adopts and releases as always; scopes still close
+    innermost first; with no exec scope around, _to_scope leaves the result caller-owned."""
+    outer = ctx.open_graph_scope()
+    a = ctx.tensor([1.0], ("n",)) * 2.0
+    inner = ctx.open_exec_scope()
+    b = a * 2.0
+    assert b.scope_owned and not a.scope_owned
+    with pytest.raises(AssertionError):
+        ctx.close_exec_scope(outer)
+    ctx.close_exec_scope(inner)
+    with pytest.raises(fu.UseAfterRelease):
+        b.numpy()
+    c = a * 3.0
+    ctx.close_exec_scope(outer)
+    assert a.numpy().tolist() == [2.0] and not c._to_scope().scope_owned
+    assert not ctx.scopes and not ctx.adopting
+
+
+def test_scope_close_frees_the_graph_behind_a_kept_result(ctx):
+    """Releasing a result drops its node's links to the parents: the saved buffers of a graph
+    made in a graph scope go back to the pool when the enclosing scope closes, even while the
+    caller still holds the (released) result and never ran backward."""
+    w = ctx.variable(np.ones(4096, np.float32), ("n",))
+    base = ctx.pool.outstanding_buffers()
+    with ctx.exec_scope():
+        with ctx.graph_scope():
+            y = w
+            for _ in range(8):
+                y = y * w          # each mul saves its operands
+            loss = y.sum_all()
+            del y
+        loss._to_scope()
+        assert ctx.pool.outstanding_buffers() == base + 8   # y1 .. y7 saved, and the loss
+    assert ctx.pool.outstanding_buffers() == base
+    with pytest.raises(fu.UseAfterRelease):
+        loss.backward()
+
+
 def test_released_node_before_backward_is_an_error(ctx):
     w = ctx.variable([1.0, 2.0], ("n",))
     h = w * 2.0

@@ -63,6 +63,36 @@ def test_gradcheck_and_thread_invariance(ctx1, ctx2):
     assert_bitwise(outs[0][1], outs[1][1])
 
 
+def test_backward_writes_over_logits_nobody_else_sees(ctx):
+    """The gradient overwrites the logits when no tensor or view but the record holds them (no
+    second [rows, classes] buffer: the pool's peak grows by less than one of them), bitwise the
+    gradient made beside them; logits the caller still holds are left as they were."""
+    R, K, D = 32, 2048, 16
+    h_np = RNG.standard_normal((R, D)).astype(np.float32)
+    w = ctx.tensor(RNG.standard_normal((D, K)).astype(np.float32), ("d", "c"))
+    lab = RNG.integers(0, K, R)
+    grads = []
+    for keep in (True, False):
+        h = ctx.variable(h_np, ("r", "d"))
+        logits = h.dot(w, "d")
+        before = logits.numpy()
+        loss = logits.cross_entropy("c", lab)
+        if not keep:
+            del logits
+        ctx.pool.trim()
+        ctx.pool.reset_peak()
+        base = ctx.pool.stats()["outstanding_bytes"]
+        loss.backward()
+        grew = ctx.pool.reset_peak() - base
+        grads.append(h.grad().numpy())
+        if keep:
+            assert grew >= R * K * 4
+            assert_bitwise(logits.numpy(), before)
+        else:
+            assert grew < R * K * 4, grew
+    assert_bitwise(grads[1], grads[0])
+
+
 def test_all_ignored_mean_is_zero(ctx):
     x = ctx.variable([[1.0, 2.0], [3.0, 4.0]], ("r", "c"))
     loss = x.cross_entropy("c", [-100, -100], ignore_index=-100)

@@ -1,6 +1,8 @@
 """Contractions at the Tensor level (SPEC A-4…A-9): acceptances, einsum against numpy for
 every role, gradients against torch and finite differences, and bad input."""
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -113,6 +115,33 @@ def test_add_dot_gradients(ctx):
     (torch.addmm(tr, ta, tb) * tr).sum().backward()
     for mine, theirs in ((r, tr), (a, ta), (b, tb)):
         np.testing.assert_allclose(mine.grad().numpy(), theirs.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["dot", "matmul", "add_dot"])
+def test_a_contraction_keeps_only_the_operand_its_gradient_reads(ctx, form):
+    """dX reads Y and dY reads X: a product whose left operand alone needs a gradient (x · W
+    with W frozen, LoRA's base projection) keeps W, not x, so x's buffer goes back to the pool
+    with its last handle while the graph lives on; and the other way round. Gradients as torch."""
+    x_np, w_np, r_np = rnd(6, 5), rnd(5, 4), rnd(6, 4)
+    for left_grad in (True, False):
+        h = ctx.variable(x_np, ("s", "k")) if left_grad else ctx.tensor(x_np, ("s", "k"))
+        w = ctx.tensor(w_np, ("k", "o")) if left_grad else ctx.variable(w_np, ("k", "o"))
+        x = h * 1.0                             # an intermediate only the product could keep
+        w2 = w * 1.0
+        if form == "dot":
+            y = x.dot(w2, "k")
+        elif form == "matmul":
+            y = x.matmul(w2, "plain", ("s", "o"))
+        else:
+            y = ctx.tensor(r_np, ("s", "o")).add_dot(x, w2, "k")
+        gone = weakref.ref((x if left_grad else w2)._raw.buf)
+        del x, w2
+        assert gone() is None, form
+        y.sum_all().backward()
+        th, tw = (torch.tensor(v, requires_grad=True) for v in (x_np, w_np))
+        (th @ tw).sum().backward()
+        leaf, want = (h, th) if left_grad else (w, tw)
+        np.testing.assert_allclose(leaf.grad().numpy(), want.grad.numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])

@@ -5,9 +5,12 @@ up·silu(gate), GQA, CE mean over supervised positions), for f32 / f16 / bf16 / 
 tied and fused-qkv files and llama-arch files; the zero structures (all-masked batch, B == 0 at
 init), checkpoint_layers bitwise, a finite-difference check through the whole stack, 1 vs 2
 threads bitwise, adapter files, every error case, and a short real training run."""
+import functools
 import importlib.util
 import io
 import math
+import types
+import weakref
 from pathlib import Path
 
 import gguf
@@ -679,6 +682,174 @@ def test_eval_last_logits(ctx1, files, ckpt):
     assert_bitwise(last.numpy(), first)                   # ... leaves the caller's copy alone
     assert not np.array_equal(other.numpy(), first)
     assert_bitwise(tr.eval_last_logits(toks).numpy(), first)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: what the step keeps alive
+
+class _Noting:
+    """The context's pool, noting (weakly) every buffer it hands out."""
+
+    def __init__(self, pool):
+        self.pool, self.made = pool, []
+
+    def alloc(self, *args, **kw):
+        buf = self.pool.alloc(*args, **kw)
+        self.made.append(weakref.ref(buf))
+        return buf
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+def _saved_buffers(root) -> set:
+    """ids of the buffers the VJPs of the graph below `root` (a Node) keep for backward."""
+    from fucina.exec.raw import RawTensor
+    found, seen = set(), set()
+
+    def walk(o):
+        if id(o) in seen or isinstance(o, (str, bytes, int, float, type(None))):
+            return
+        seen.add(id(o))
+        if isinstance(o, RawTensor):
+            found.add(id(o.buf))
+        elif isinstance(o, fu.Tensor):
+            if o._raw is not None:
+                walk(o._raw)
+        elif isinstance(o, functools.partial):
+            walk(o.func), walk(o.args), walk(o.keywords)
+        elif isinstance(o, (tuple, list, set, frozenset)):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, types.MethodType):
+            walk(o.__self__), walk(o.__func__)
+        elif isinstance(o, types.FunctionType):
+            for cell in o.__closure__ or ():
+                walk(cell.cell_contents)
+        elif type(o).__module__.startswith("fucina.") and not isinstance(o, fu.ExecContext):
+            for k in getattr(type(o), "__slots__", ()):
+                walk(getattr(o, k, None))
+            walk(getattr(o, "__dict__", {}))
+
+    nodes, stack = {id(root)}, [root]
+    while stack:
+        n = stack.pop()
+        walk(n.vjp)
+        for p in n.parents:
+            if p is not None and id(p) not in nodes:
+                nodes.add(id(p))
+                stack.append(p)
+    return found
+
+
+def _step_peak(ctx, run) -> int:
+    """Peak live pool bytes during run() above those live before it, from a trimmed pool (so
+    every request gets its own size class, not a bigger cached buffer)."""
+    ctx.pool.trim()
+    ctx.pool.reset_peak()
+    before = ctx.pool.stats()["outstanding_bytes"]
+    run()
+    return ctx.pool.reset_peak() - before
+
+
+def test_step_keeps_only_what_backward_reads(files):
+    """Issue 18 (peak RSS of the LoRA step): after the trainer's forward every buffer still
+    alive that the forward made is one a VJP saved for backward (or the loss itself) — the base
+    projections, the LoRA deltas before their sums and the residual sums are gone. Counted by
+    the runtime, the step's peak live bytes are under half of those of the same ops with every
+    intermediate adopted by the caller's scope (the trainer before the graph scope), and the
+    loss and every adapter gradient are bitwise those of that forward."""
+    path, _ = files["f32"]
+    toks, labels = sample(96, masked=3)
+    with fu.ExecContext(threads=1) as ctx:
+        tr = make_trainer(ctx, path, dropout=0.1)
+        randomize_b(tr)
+        run_loss(tr, toks, labels)           # warm: RoPE table, kernels, plans
+        noting = ctx.pool = _Noting(ctx.pool)
+        try:
+            with ctx.exec_scope():
+                loss = tr.loss(toks, labels)
+                alive = {id(b) for b in (r() for r in noting.made) if b is not None}
+                kept = _saved_buffers(loss._node) | {id(loss._raw.buf)}
+                loss.backward()
+        finally:
+            ctx.pool = noting.pool
+        assert alive and alive <= kept, f"{len(alive - kept)} buffers outlive the forward unread"
+
+        def graph_scoped():
+            nonlocal ours
+            ours = run_loss(tr, toks, labels)
+
+        def scope_adopted():                 # the same ops, every result a scope borrow
+            nonlocal theirs
+            for _, ad in tr.named_adapters():
+                ad.a.zero_grad()
+                ad.b.zero_grad()
+            with ctx.exec_scope():
+                step = tr.step_counter
+                ce = tr._logits(np.asarray(toks), step).cross_entropy_ext(
+                    "vocab", labels, ignore_index=IGNORE_INDEX)
+                tr.step_counter = step + 1
+                value = ce.numpy()
+                ce.backward()
+            theirs = (value, {(l, n, w): getattr(ad, w).grad().numpy()
+                              for l, layer in enumerate(tr.adapters)
+                              for n, ad in layer.items() for w in "ab"})
+
+        ours = theirs = None
+        tr.step_counter = 5
+        peak_ours = _step_peak(ctx, graph_scoped)
+        tr.step_counter = 5                  # the same dropout masks
+        peak_theirs = _step_peak(ctx, scope_adopted)
+        assert peak_ours < 0.5 * peak_theirs, (peak_ours, peak_theirs)
+        assert_bitwise(ours[0], theirs[0])
+        for k, g in theirs[1].items():
+            assert_bitwise(ours[1][k], g)
+
+
+def _mapped_rss(f) -> int:
+    """Resident bytes of the mapping behind GGUFFile f (/proc/self/smaps)."""
+    inside = next(iter(f.tensors.values()))._raw.buf.addr
+    total, mine = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:   # a mapping's first line
+                lo, hi = (int(v, 16) for v in head[0].split("-"))
+                mine = lo <= inside < hi
+            elif mine and head[:1] == ["Rss:"]:
+                total += int(head[1]) * 1024
+    return total
+
+
+def test_widened_matrices_leave_the_file_pages(ctx1, tmp_path):
+    """widen_frozen decodes each quantized matrix to an f32 copy and drops the file's pages of
+    it from the resident set (GGUFFile.release_pages): the mapping keeps at most a page per
+    tensor edge, where an unwidened model keeps every page it read; the quantized tensors stay
+    readable (their pages come back) and the model computes the same logits."""
+    path = tmp_path / "q8.gguf"
+    write_model(path, dtype="q8_0", hidden=256, ffn=1024, heads=4, kv=2, hd=64, vocab=512)
+    toks = [1, 5, 9, 200, 3]
+    out = []
+    for widen in (False, True):
+        f = fu.gguf.read(path, ctx1)
+        m = Model.from_gguf(ctx1, f, widen_frozen=widen)
+        with ctx1.exec_scope():
+            out.append(m.forward_logits(toks).numpy())
+        if not widen:
+            for t in f.tensors.values():
+                t.data_const().sum()                           # every page read once
+            kept = _mapped_rss(f)
+            quant = {n: t.data_const().copy() for n, t in f.tensors.items()}
+    matrices = sum(i.nbytes for n, i in f.infos.items() if i.type_name == "q8_0")
+    assert kept >= matrices
+    assert _mapped_rss(f) <= 4096 * (2 * len(f.infos) + 2) < matrices // 4
+    for n, t in f.tensors.items():
+        assert_bitwise(t.data_const(), quant[n])
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-4, atol=1e-4)   # f32 copy vs q8_0 blocks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ class ElementwiseMethods:
         else:
             return self._binary_slow(op, other, reflected)
         t = type(self)(out, tags, node)
-        if ctx.scopes and (node is not None or lay.dtype == "f32"):
+        if ctx.adopting and (node is not None or lay.dtype == "f32"):
             t._scope = ctx.scopes[-1]
             ctx.adopt(t)
         return t

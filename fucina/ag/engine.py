@@ -65,9 +65,12 @@ class Node:
         self.released = False
 
     def release(self):
-        """The output tensor was released before backward: drop what the VJP saved."""
+        """The output tensor was released: drop what the VJP saved, and the links to the
+        parents, so a graph whose intermediates nothing else holds (a graph scope's) goes back
+        to the pool with it. A backward reaching this node raises GraphNodeReleased."""
         self.released = True
         self.vjp = None
+        self.parents = ()
 
 
 class Leaf(Node):
@@ -143,6 +146,12 @@ def backward(root, seed) -> None:
                     ready.append(parent)
                 elif not isinstance(parent, Leaf):  # nothing flowed in: its subtree gets nothing
                     _drain(parent, ready, grads)
+
+
+def sole_view(raw) -> bool:
+    """raw is the only view of a pooled buffer (nothing else — no tensor, view, numpy array or
+    borrowed source — can see it), so a VJP consuming it may overwrite it in place."""
+    return raw.buf.pooled and sys.getrefcount(raw.buf) == 2   # raw's slot + the argument
 
 
 def _own(ctx, g, shared):

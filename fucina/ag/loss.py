@@ -16,7 +16,7 @@ from ..exec import elementwise as ew
 from ..exec import loss as exl
 from ..exec import reduce as red
 from .checks import require_scope, same_ctx
-from .engine import finish_op
+from .engine import finish_op, sole_view
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -165,7 +165,11 @@ def _linear_ce_grads(saved, needs, g):
 def _ce_grads(saved, g):
     ctx, rows, lab, m, s, eps, scale, perm, shape, rest_shape = saved
     gr = ew.materialize(ctx, g) if g.numel > 1 else g
-    dx = exl.ce_backward(ctx, rows, lab, m, s, gr, eps, scale)
+    # the logits die with this record: when no other view sees their buffer (the caller let go
+    # of the logits tensor, e.g. the LoRA trainer's graph scope), the gradient overwrites them
+    # instead of taking a second [rows, classes] buffer (the kernel reads each element first)
+    out = rows if sole_view(rows) else None
+    dx = exl.ce_backward(ctx, rows, lab, m, s, gr, eps, scale, out=out)
     permuted = tuple(shape[i] for i in perm)
     dxv = dx.view(permuted, _contig(permuted))
     inv = [perm.index(i) for i in range(len(shape))]

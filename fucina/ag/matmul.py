@@ -38,22 +38,30 @@ def einsum(x, y, out_tags, op: str = "einsum"):
     a, b = x._raw, y._raw
     out_tags = tuple(out_tags)
     out = es.einsum(a.ctx, a, x.tags, b, y.tags, out_tags)
-    saved = (a.ctx, a, x.tags, b, y.tags, out_tags)
-    return finish_op(op, out, out_tags, (x, y), lambda needs: functools.partial(_einsum_grads, saved, needs),
-                     dtypes_ok=True)
+    return finish_op(op, out, out_tags, (x, y),
+                     lambda needs: functools.partial(_einsum_grads, _einsum_saved(
+                         a, x.tags, b, y.tags, out_tags, needs), needs), dtypes_ok=True)
+
+
+def _einsum_saved(a, xt, b, yt, out_tags, needs) -> tuple:
+    """What the VJP reads: dX reads Y, dY reads X, so an operand is kept only when the other
+    one needs a gradient (x·W with W frozen keeps W, not the activation x)."""
+    return (a.ctx, a if needs[1] else None, a.shape, xt, b if needs[0] else None, b.shape, yt,
+            out_tags)
 
 
 def _einsum_grads(saved, needs, g):
     """dX = einsum(g, Y -> X's tags), dY = einsum(X, g -> Y's tags); a summed-away private axis
     gets the gradient broadcast back over it."""
-    ctx, a, xt, b, yt, out_tags = saved
-    gx = _grad_for(ctx, g, out_tags, b, yt, a, xt) if needs[0] else None
-    gy = _grad_for(ctx, a, xt, g, out_tags, b, yt, left_first=True) if needs[1] else None
+    ctx, a, a_shape, xt, b, b_shape, yt, out_tags = saved
+    gx = _grad_for(ctx, g, out_tags, b, yt, a_shape, xt) if needs[0] else None
+    gy = _grad_for(ctx, a, xt, g, out_tags, b_shape, yt, left_first=True) if needs[1] else None
     return gx, gy
 
 
-def _grad_for(ctx, p, pt, q, qt, target, tt, left_first=False):
-    """einsum of p and q onto the tags of `target`, broadcast over target axes neither has."""
+def _grad_for(ctx, p, pt, q, qt, target_shape, tt, left_first=False):
+    """einsum of p and q onto the tags tt (of a target of target_shape), broadcast over target
+    axes neither has."""
     have = set(pt) | set(qt)
     kept = tuple(t for t in tt if t in have)
     if q.dtype != "f32":
@@ -64,7 +72,7 @@ def _grad_for(ctx, p, pt, q, qt, target, tt, left_first=False):
     if kept == tt:
         return r
     strides = es._contig(r.shape)
-    full = tuple(target.shape[tt.index(t)] for t in tt)
+    full = tuple(target_shape[tt.index(t)] for t in tt)
     st = tuple(strides[kept.index(t)] if t in kept else 0 for t in tt)
     return ew.materialize(ctx, r.view(full, st))
 
@@ -120,9 +128,10 @@ def matmul(x, y, kind: str, out_tags):
     shape = batch + (av.shape[-2], bv.shape[-1])
     axes.check_tags(out_tags, len(shape), "matmul")
     out = gemm(a.ctx, av, bv)
-    saved = (a.ctx, a, b, av, bv, kind)
     return finish_op("matmul", out, out_tags, (x, y),
-                     lambda needs: functools.partial(_matmul_grads, saved, needs))
+                     lambda needs: functools.partial(_matmul_grads, (
+                         a.ctx, a.shape, b.shape, av if needs[1] else None,
+                         bv if needs[0] else None, kind), needs))
 
 
 def _broadcast_batch(sa, sb, nb):
@@ -147,16 +156,16 @@ def _expand(v, batch):
 def _matmul_grads(saved, needs, g):
     """dA = g·Bᵀ, dB = Aᵀ·g over the broadcast batch; summed over the batch axes an operand
     broadcast along, then laid out as the operand is stored (transposed back for trans kinds)."""
-    ctx, a, b, av, bv, kind = saved
+    ctx, a_shape, b_shape, av, bv, kind = saved   # dA reads B only, dB reads A only
     grads = []
-    for which, src in ((0, a), (1, b)):
+    for which, src in ((0, a_shape), (1, b_shape)):
         if not needs[which]:
             grads.append(None)
             continue
         d = gemm(ctx, g, _t(bv)) if which == 0 else gemm(ctx, _t(av), g)
         nb = d.rank - 2
-        extra = nb - (src.rank - 2)
-        own = (1,) * extra + src.shape[:-2]  # the operand's batch sizes, aligned to the result's
+        extra = nb - (len(src) - 2)
+        own = (1,) * extra + src[:-2]  # the operand's batch sizes, aligned to the result's
         for ax in reversed(range(nb)):
             if own[ax] == 1 and d.shape[ax] != 1:
                 d = red.reduce_axis(ctx, "sum", d, ax)
@@ -184,9 +193,9 @@ def add_dot(res, x, y, tag: str):
                        f"self{res.tags}, a{x.tags}, b{y.tags}")
     out = ew.run(r.ctx, "copy", "f32", r.shape, (r,))
     gemm(r.ctx, a, b, out, accumulate=True)
-    saved = (r.ctx, a, b)
     return finish_op("add_dot", out, res.tags, (res, x, y),
-                     lambda needs: functools.partial(_add_dot_grads, saved, needs))
+                     lambda needs: functools.partial(_add_dot_grads, (
+                         r.ctx, a if needs[2] else None, b if needs[1] else None), needs))
 
 
 def _add_dot_grads(saved, needs, g):

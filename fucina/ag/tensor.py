@@ -58,10 +58,20 @@ class Tensor(ElementwiseMethods, ActivationMethods, ReduceMethods, MatmulMethods
         graph node; typed constants (16-bit/int/bool no-grad results) stay caller-owned."""
         t = Tensor(raw, tags, node)
         ctx = raw.ctx
-        if ctx.scopes and (node is not None or raw.dtype == "f32"):
+        if ctx.adopting and (node is not None or raw.dtype == "f32"):
             t._scope = ctx.scopes[-1]
             ctx.adopt(t)
         return t
+
+    def _to_scope(self) -> "Tensor":
+        """Hand a result made inside a graph scope (ExecContext.open_graph_scope) to the exec
+        scope now innermost, as if the op had run there; self."""
+        raw = self._raw
+        ctx = raw.ctx
+        if self._scope is None and ctx.adopting and (self._node is not None or raw.dtype == "f32"):
+            self._scope = ctx.scopes[-1]
+            ctx.adopt(self)
+        return self
 
     # ---- plumbing ----
     def _live(self, op: str):

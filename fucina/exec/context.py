@@ -35,6 +35,7 @@ class Context:
         self._team = None
         self.closed = False
         self.scopes: list[ExecScope] = []  # open exec scopes, innermost last
+        self.adopting = False              # the innermost open scope adopts op results
         self._adopted: list = []           # release callbacks of values the open scopes own
         self._constants: dict = {}         # (dtype, value) -> 1-element source of full_raw
 
@@ -71,9 +72,22 @@ class Context:
     # ---- exec scopes (SPEC R-5) ----
     def open_exec_scope(self) -> "ExecScope":
         """From now until the matching close, op results are borrows owned by this scope."""
-        self.check_open("open_exec_scope")
-        scope = ExecScope(self, len(self._adopted))
+        return self._push_scope(ExecScope(self, len(self._adopted)), "open_exec_scope")
+
+    def open_graph_scope(self) -> "ExecScope":
+        """A scope that adopts nothing, for a library composite whose intermediates its caller
+        never sees (the LoRA trainer's forward). Inside it an op result lives while something
+        refers to it — a variable, a view, or a graph node that saved it for backward — so what
+        backward does not read goes back to the pool at once (deinit-ASAP, as without a scope),
+        while composed ops still find a scope open. The composite hands the one result it
+        returns to the enclosing exec scope (Tensor._to_scope); releasing that result releases
+        its graph, and with it every saved buffer. Closed like any scope (close_exec_scope)."""
+        return self._push_scope(GraphScope(self, len(self._adopted)), "open_graph_scope")
+
+    def _push_scope(self, scope: "ExecScope", op: str) -> "ExecScope":
+        self.check_open(op)
         self.scopes.append(scope)
+        self.adopting = scope.adopts
         return scope
 
     def close_exec_scope(self, scope: "ExecScope") -> None:
@@ -82,6 +96,7 @@ class Context:
             raise AssertionError("close_exec_scope: expected the innermost open scope; scopes close "
                                  "in reverse order of opening")
         self.scopes.pop()
+        self.adopting = bool(self.scopes) and self.scopes[-1].adopts
         owned = self._adopted[scope.mark:]
         del self._adopted[scope.mark:]
         for release in reversed(owned):
@@ -89,7 +104,11 @@ class Context:
 
     def exec_scope(self):
         """`with ctx.exec_scope(): ...` — open on enter, close on exit (also on error)."""
-        return _ScopeGuard(self)
+        return _ScopeGuard(self, self.open_exec_scope)
+
+    def graph_scope(self):
+        """`with ctx.graph_scope(): ...` — open_graph_scope on enter, closed on exit."""
+        return _ScopeGuard(self, self.open_graph_scope)
 
     def exec_scope_active(self) -> bool:
         return bool(self.scopes)
@@ -163,17 +182,25 @@ class ExecScope:
     """A mark in the context's adoption list (SPEC R-5)."""
 
     __slots__ = ("ctx", "mark")
+    adopts = True
 
     def __init__(self, ctx, mark):
         self.ctx, self.mark = ctx, mark
 
 
+class GraphScope(ExecScope):
+    """open_graph_scope's scope: op results inside are not adopted."""
+
+    __slots__ = ()
+    adopts = False
+
+
 class _ScopeGuard:
-    def __init__(self, ctx):
-        self.ctx = ctx
+    def __init__(self, ctx, opener):
+        self.ctx, self.opener = ctx, opener
 
     def __enter__(self):
-        self.scope = self.ctx.open_exec_scope()
+        self.scope = self.opener()
         return self.scope
 
     def __exit__(self, *exc):

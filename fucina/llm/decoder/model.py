@@ -11,12 +11,13 @@ copied): every linear is a frozen right operand of `dot` (SPEC A-8), so gradient
 activations only. Matrices are retagged [out, in] with the axis names below; 1-D norm weights
 are widened to f32 when stored narrower (they are small). `output.weight` absent means the
 output projection is tied to token_embd. `widen_frozen=True` instead decodes every matrix to an
-f32 copy once (more memory, plain f32 GEMMs forward and backward): the finetune demo's default.
+f32 copy once (more memory, plain f32 GEMMs forward and backward) and drops the file's pages of
+it from the resident set: the finetune demo's default.
 `compute="bf16"` holds every matrix as bf16 (half the memory of f32; quantized and f16 ones are
-decoded, f32 ones rounded to nearest even) and runs every projection and the head through
-Tensor.dot_bf16: the activation (and, backward, its gradient) rounded to bf16, f32 sums through
-the CPU's bf16 dot instruction. Everything else — norms, RoPE, attention, softmax, the loss, any
-adapter — stays f32.
+decoded, f32 ones rounded to nearest even; the file's pages of a converted matrix are dropped
+too) and runs every projection and the head through Tensor.dot_bf16: the activation (and,
+backward, its gradient) rounded to bf16, f32 sums through the CPU's bf16 dot instruction.
+Everything else — norms, RoPE, attention, softmax, the loss, any adapter — stays f32.
 
 One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
 deltas to the frozen projections (None = the plain model):
@@ -329,8 +330,10 @@ class _Loader:
                                    f"{MATRIX_DTYPES}, got {t.dtype}")
         if self.widen and t.dtype != "f32":
             t = t.to("f32")
+            self.f.release_pages([name])   # decoded once: the f32 copy is what we read now
         if self.compute == "bf16" and t.dtype != "bf16":
             t = (t if t.dtype in ("f32", "f16") else t.to("f32")).to("bf16")
+            self.f.release_pages([name])   # the bf16 copy is what we read now
         return _retag(t, tags)
 
     def vector(self, name: str, n: int, tag: str = "embed") -> Tensor:

@@ -17,6 +17,12 @@ as at(seed ^ 0x64726F7064726F70, (s·num_layers + l)·7 + t); evaluation passes 
 checkpoint_layers=True runs each layer as one checkpoint_with_context node (the frozen model,
 RoPE table and seeds as `extra`, x and the layer's A/B as inputs): bitwise the same gradients,
 activations of one layer at a time.
+
+Memory: the forward runs in a graph scope (ExecContext.open_graph_scope) inside the caller's
+exec scope, so of its intermediates only those a backward rule reads stay alive until
+backward (the base projections, the LoRA deltas before their sums and the residual sums go
+back to the pool as the forward goes); the loss or logits it returns is the caller's scope
+borrow, and the caller's scope closing releases the graph behind it.
 """
 from __future__ import annotations
 
@@ -172,7 +178,9 @@ class Trainer:
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
                                  or step < 0):
             raise TypeError(f"{op}: expected step as an int >= 0 or None (eval), got {step!r}")
-        return self._logits(tokens, step)
+        with self.model.ctx.graph_scope():
+            logits = self._logits(tokens, step)
+        return logits._to_scope()
 
     def _need_scope(self, op: str) -> None:
         if is_grad_enabled() and not self.model.ctx.scopes:
@@ -221,13 +229,18 @@ class Trainer:
                                       f"{n_labels} labels")
         tokens = check_tokens(op, tokens, self.model.config.vocab)
         step = self.step_counter
-        logits = self._logits(tokens, step)
-        ce = logits.cross_entropy_ext("vocab", labels, ignore_index=IGNORE_INDEX,
-                                      reduction=reduction)
-        if loss_scale != 1:
-            ce = ce.scale(loss_scale)
+        # a graph scope: what backward does not read (base projections, LoRA deltas before
+        # their sums, residual sums) goes back to the pool as the forward goes, instead of
+        # living in the caller's scope until it closes; the loss alone is the caller's borrow
+        with self.model.ctx.graph_scope():
+            logits = self._logits(tokens, step)
+            ce = logits.cross_entropy_ext("vocab", labels, ignore_index=IGNORE_INDEX,
+                                          reduction=reduction)
+            del logits
+            if loss_scale != 1:
+                ce = ce.scale(loss_scale)
         self.step_counter = step + 1   # counted once the call succeeded
-        return ce
+        return ce._to_scope()
 
     def eval_last_logits(self, tokens) -> Tensor:
         """The logits of the last position, [1, vocab] ("seq", "vocab"), caller-owned: no
@@ -235,9 +248,9 @@ class Trainer:
         op = "decoder.Trainer.eval_last_logits"
         tokens = check_tokens(op, tokens, self.model.config.vocab)
         ctx = self.model.ctx
-        with no_grad(), ctx.exec_scope():
+        with no_grad(), ctx.graph_scope():   # each intermediate freed once the next is made
             logits = self._logits(tokens, None, last_only=True)
-            return Tensor(logits._live(op), logits.tags)   # outlives the scope: caller-owned
+            return Tensor(logits._live(op), logits.tags)   # caller-owned
 
     # ---- parameters and files ----
     def named_adapters(self):
