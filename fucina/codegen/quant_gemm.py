@@ -10,7 +10,10 @@ multiplies is bitwise the value `w.to("f32")` holds, and the products accumulate
   quant_gemv  few rows of x (1..4 per launch): one item = `cols` rows of w (outputs
               n .. n+cols-1). For each block of k in increasing order the item decodes the
               block of a row of w and at once runs FMAs against the matching slice of every
-              row of x (the decoded block never leaves registers). Two accumulators per
+              row of x (the decoded block never leaves registers). q4 blocks decode through
+              16-value tables, q5 through 32-value ones; the 32-blocks' scales are converted
+              a segment ahead (staged), and q4_0 / q4_1 weights may come in an interleaved
+              layout (exec.quant.interleave) that needs no byte widening. Two accumulators per
               output: lane t of accumulator s sums k = s*W + t + 2W*i over i in increasing
               order; they add, then a fixed halving tree folds the lanes. The order of every
               sum is fixed by K alone (not by M: a row of a batch is bitwise the row alone).
@@ -189,12 +192,11 @@ SEGMENT = 64   # blocks of k whose scales a staged gemv converts ahead, per row 
 
 def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
     """The blocks of k in segments of SEGMENT: first every block's f16 scales of the segment,
-    for each row of w, converted to f32 into an L1 buffer (this pass also streams the rows in,
-    with the prefetches), then the segment's blocks decoded with their scales broadcast from
-    that buffer. A broadcast from memory is a load; from a register it is a shuffle, and the
-    block loop is short of shuffle slots (byte widening, two table permutes): 5-10 % faster
-    at the SmolLM2 shapes, 1 thread. The blocks and their sums keep their order: the bits are
-    the unstaged kernel's."""
+    for each row of w, converted to f32 into an L1 buffer, then the segment's blocks decoded
+    with their scales broadcast from that buffer (a broadcast from memory folds into the
+    table's multiply; from a register it is one more vector instruction, and the block loop
+    is bound by vector instructions: 5-10 % faster at the SmolLM2 shapes, 1 thread). The
+    blocks and their sums keep their order: the bits are the unstaged kernel's."""
     _, nbytes = FORMATS[key.fmt]
     pair = ir.VectorType(u.F32, 2)
     _prefetch_rows(b, w, rows, row_bytes, ahead)
