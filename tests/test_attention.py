@@ -234,6 +234,28 @@ def test_one_query_decode_kernel(ctx1, ctx2, T, H, KVH, D, window, kv):
     assert_bitwise(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("T,window,kv", [(57, 0, "f32"), (64, 0, "f16"), (700, 512, "f32"),
+                                         (5, 0, "f32")])
+def test_decode_kernel_fixed_shape_gives_the_generic_bits(ctx1, T, window, kv):
+    """The decode kernel built for the model's head size and cache row (constant offsets,
+    unrolled d) and the one that takes them as arguments give the same bits."""
+    from fucina.codegen import kernels
+    from fucina.codegen.attention import AttentionKey
+    H, KVH, D = 9, 3, 64
+    q = ctx1.tensor(rand(1, H, D), QT)._raw
+    k, v = (ctx1.tensor(rand(T, KVH, D), KT, dtype=kv)._raw for _ in range(2))
+    outs = []
+    for d, row in ((0, 0), (D, KVH * D)):
+        out = ctx1.tensor(np.zeros((1, H * D), np.float32), ("s", "hd"))._raw
+        lse = ctx1.tensor(np.zeros((H, 1), np.float32), ("h", "s"))._raw
+        ctx1.launch(kernels.get(AttentionKey("decode", kv=kv, d=d, row=row)), H, 0, q.addr,
+                    k.addr, v.addr, out.addr, lse.addr, T, window, H // KVH, D,
+                    int(np.float32(0.125).view(np.uint32)), KVH * D)
+        outs.append((fu.Tensor(out, ("s", "hd")).numpy(), fu.Tensor(lse, ("h", "s")).numpy()))
+    assert_bitwise(outs[0][0], outs[1][0])
+    assert_bitwise(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("lead,heads,window,kv", [((3,), None, 0, "f32"), ((2, 2), None, 3, "f32"),
                                                   ((2,), [1, 0, 1, 0], 0, "f32"),
                                                   ((2,), None, 0, "f16")])

@@ -43,12 +43,15 @@ OPS = ("online", "finish", "probs", "dscores", "rowdot", "decode")
 @dataclass(frozen=True)
 class AttentionKey(KernelKey):
     """op in OPS; bias: an additive [q, kv] f32 bias on the scaled scores (online, probs);
-    kv: the dtype of the keys and values (decode reads an f16 cache as it is)."""
+    kv: the dtype of the keys and values (decode reads an f16 cache as it is); d, row: see
+    _decode."""
 
     family = "attention"
     op: str
     bias: bool = False
     kv: str = "f32"
+    d: int = 0      # decode: the head size and the cache's elements per position, when fixed
+    row: int = 0    # at build time (0: both runtime arguments)
 
     def ir(self, symbol: str) -> str:
         if self.op not in OPS:
@@ -251,7 +254,10 @@ def _decode(key, b, args, c0, c1):
     Keys go W at a time (one per lane): W dot products accumulate side by side over d, one
     tree (_key_sums) turns them into a vector of W scores, and an online softmax takes the
     block (m' = max(m, block max), l = l·e^(m − m') + Σ p, o = o·e^(m − m') + Σ p_j·v_j,
-    the W products added in key order). Lanes past T read key T − 1 and get p = 0."""
+    the W products added in key order). In the last, partial block, lanes past T read key
+    T − 1 and get p = 0. With key.d and key.row set (the model's head size and cache row),
+    the full blocks address their W rows at constant offsets from one pointer and unroll d;
+    the arithmetic and its order are the same, so are the bits."""
     W = host().f32_lanes
     vt = ir.VectorType(u.F32, W)
     q, k, v, out, lse = (u.arg_ptr(b, args, i) for i in range(5))
@@ -259,26 +265,44 @@ def _decode(key, b, args, c0, c1):
     scale = u.arg_f32(b, args, 9)
     row = u.arg(b, args, 10)
     kv = key.kv
+    static = key.d > 0 and key.d % W == 0
+    if static:
+        d, row = u.i64(key.d), u.i64(key.row)
     lo = b.select(b.icmp_signed(">", w, u.i64(0)), b.sub(T, w), u.i64(0))
     lo = b.select(b.icmp_signed("<", lo, u.i64(0)), u.i64(0), lo)
     accs = [u.entry_alloca(b, vt) for _ in range(W)]
     mslot, lslot = u.entry_alloca(b, u.F32), u.entry_alloca(b, u.F32)
     ninf = u.const(u.F32, float("-inf"))
+    zero = u.const(vt, 0.0)
     with u.Loop(b, c0, c1, 1, "h") as h:
         qb = b.gep(q, [b.mul(h, d)], source_etype=u.F32)
         ob = b.gep(out, [b.mul(h, d)], source_etype=u.F32)
         head = b.mul(b.sdiv(h, G), d)
-        zero = u.const(vt, 0.0)
+        kh, vh = (b.gep(x, [head], source_etype=u.STORAGE[kv]) for x in (k, v))
         map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(b, zero, ob, c, "f32", msk))
         b.store(ninf, mslot)
         b.store(u.const(u.F32, 0.0), lslot)
-        with u.Loop(b, lo, T, W, "t") as t0:
-            last = b.sub(T, u.i64(1))
-            rows = [b.gep(k if kk == 0 else v, [b.add(b.mul(u.smin(b, b.add(t0, u.i64(j)), last),
-                                                             row), head)],
-                          source_etype=u.STORAGE[kv])
-                    for kk in (0, 1) for j in range(W)]
-            krows, vrows = rows[:W], rows[W:]
+
+        def over_d(body, fixed):   # body(c, mask) over the head's d values
+            if fixed:
+                for c in range(0, key.d, W):
+                    body(u.i64(c), None)
+            else:
+                map_pass(b, u.i64(0), d, W, body)
+
+        def block(t0, fixed):
+            """Keys t0 .. t0 + W − 1 (fixed: all below T, rows at constant offsets)."""
+            if fixed:   # byte offsets from one pointer: the loads take them as displacements
+                esz = u.ITEMSIZE[kv]
+                kb0, vb0 = (b.gep(x, [b.mul(t0, u.i64(key.row * esz))], source_etype=u.I8)
+                            for x in (kh, vh))
+                krows, vrows = ([b.gep(base, [u.i64(j * key.row * esz)], source_etype=u.I8)
+                                 for j in range(W)] for base in (kb0, vb0))
+            else:
+                last = b.sub(T, u.i64(1))
+                krows, vrows = ([b.gep(x, [b.add(b.mul(u.smin(b, b.add(t0, u.i64(j)), last), row),
+                                                 head)], source_etype=u.STORAGE[kv])
+                                 for j in range(W)] for x in (k, v))
             for a in accs:
                 b.store(zero, a)
 
@@ -287,9 +311,9 @@ def _decode(key, b, args, c0, c1):
                 for a, kr in zip(accs, krows):
                     b.store(u.intrinsic(b, "llvm.fma", vt, [qv, u.load(b, kr, c, kv, W, msk),
                                                             b.load(a)]), a)
-            map_pass(b, u.i64(0), d, W, dots)
+            over_d(dots, fixed)
             s = b.fmul(_key_sums(b, [b.load(a) for a in accs]), u.splat(b, scale, W))
-            valid = u.tail_mask(b, b.sub(T, t0), W)
+            valid = u.tail_mask(b, u.smin(b, b.sub(T, t0), u.i64(W)), W)
             s = b.select(valid, s, u.const(vt, float("-inf")))
             m = b.load(mslot)
             m2 = fmax(b, m, lane_tree(b, s, fmax))
@@ -305,7 +329,13 @@ def _decode(key, b, args, c0, c1):
                 for pj, vr in zip(ps, vrows):
                     o = u.intrinsic(b, "llvm.fma", vt, [pj, u.load(b, vr, c, kv, W, msk), o])
                 u.store(b, o, ob, c, "f32", msk)
-            map_pass(b, u.i64(0), d, W, accumulate)
+            over_d(accumulate, fixed)
+
+        full = b.add(lo, b.mul(b.sdiv(b.sub(T, lo), u.i64(W)), u.i64(W)))
+        with u.Loop(b, lo, full, W, "t") as t0:
+            block(t0, static)
+        with b.if_then(b.icmp_signed("<", full, T)):
+            block(full, False)
         m = b.load(mslot)
         l = b.load(lslot)
         some = b.fcmp_ordered(">", l, u.const(u.F32, 0.0))

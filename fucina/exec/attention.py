@@ -147,7 +147,8 @@ def decode(ctx, q: RawTensor, k: RawTensor, v: RawTensor, KVH: int, window: int,
     T = k.shape[0]
     out = ctx.empty((1, H * D), "f32")
     lse = ctx.empty((H, 1), "f32")
-    ctx.launch(kernels.get(AttentionKey("decode", kv=k.dtype)), H, 4 * H * T * D * 2,
+    ctx.launch(kernels.get(AttentionKey("decode", kv=k.dtype, d=D, row=KVH * D)), H,
+               4 * H * T * D * 2,
                q.addr, k.addr, v.addr, out.addr, lse.addr, T, window, H // KVH, D,
                f32_bits(scale), KVH * D)
     return out, lse
