@@ -209,9 +209,10 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
     return mod
 
 
-def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
+def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
     """Unit stride along k: W panel rows x W consecutive k at a time, loaded along k and
-    transposed in registers; one group of W rows after the other (W read streams at once)."""
+    transposed in registers; one group of W rows after the other (W read streams at once).
+    Each load prefetches the line `pf` elements on (default PF_K along its row)."""
     nvec = -(-Wp // W)
     for g in range(nvec):
         width_g = min(W, Wp - g * W)
@@ -227,7 +228,7 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
                     continue
                 m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, _zero_mask(W))
                 row = b.add(b.mul(u.i64(w), s_w), kt)
-                u.prefetch(b, iptr, b.add(row, u.i64(PF_K)), dt)
+                u.prefetch(b, iptr, b.add(row, u.i64(PF_K) if pf is None else pf), dt)
                 vecs.append(u.load(b, iptr, row, dt, W, m))
             cols = transpose(b, vecs)
             full = b.icmp_signed("==", kn, u.i64(W))
@@ -289,6 +290,73 @@ def _packed_b(b, args, N, K, NRc):
         off = b.add(b.add(b.mul(bt, sBp), b.mul(k0, Np)), b.mul(j0, kcl))
         return b.gep(Bp, [off], source_etype=u.F32)
     return panel
+
+
+@register
+@dataclass(frozen=True)
+class GemmTileDirectKey(KernelKey):
+    """gemm_tile reading B from the operand itself, no gemm_pack pass over it: each KC x NR
+    panel of B is copied (wvec: b has unit stride along n) or W x W register-transposed (kvec:
+    unit stride along k, b = Wᵀ of a row-major W) into a stack buffer laid out as gemm_pack
+    lays out B, right before the micro-kernel runs it against the tile's MR panels of A. The
+    B operand is read once per M block instead of read, written packed and read again; the
+    micro-kernel is gemm_tile's, so the bits are gemm_tile's.
+
+    Arguments: gemm_tile's, with 1 = b (the operand, `dtype`), 13 = b's batch stride
+    (elements; 0 = broadcast over a batch of one coalesced axis), 16 s_bk, 17 s_bn.
+    """
+    family = "gemm_tile_direct"
+    dtype: str    # b's storage dtype: f32 | f16 | bf16
+    mode: str     # wvec | kvec
+    mr: int
+    nr_vecs: int
+    unroll: int
+
+    def ir(self, symbol: str) -> str:
+        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll,
+                             lambda b, args, N, K, NRc: _direct_b(self.dtype, self.mode, b,
+                                                                  args, N, K, NRc)))
+
+
+def panel_buffer(b, floats):
+    """A 64-byte aligned f32 stack buffer in the entry block (one per kernel call)."""
+    p = u.entry_alloca(b, ir.ArrayType(u.F32, floats))
+    p.align = 64
+    p.type = u.PTR
+    return p
+
+
+def _direct_b(dt, mode, b, args, N, K, NRc):
+    """The B panel hook of gemm_tile_direct: panel[k - k0][j - j0] = b[k, j] (zeros past N)."""
+    W = lanes()
+    V = NRc // W
+    src = u.arg_ptr(b, args, 1)
+    sbat, s_bk, s_bn = (u.arg(b, args, i) for i in (13, 16, 17))
+    panel = panel_buffer(b, KC * NRc)
+
+    def make(bt, k0, kcl, j0):
+        base = b.add(b.mul(bt, sbat), b.add(b.mul(k0, s_bk), b.mul(j0, s_bn)))
+        iptr = b.gep(src, [base], source_etype=u.STORAGE[dt])
+        wvalid = u.smin(b, u.i64(NRc), b.sub(N, j0))
+        # the micro-kernel runs a whole column of MR panels on this panel: time enough to
+        # bring in the next panel's piece of b (the rows of a KC block are far apart in
+        # memory and each is read only NR wide: no hardware prefetcher follows that)
+        nxt = b.mul(u.i64(NRc), s_bn)
+        if mode == "kvec":
+            _pack_kvec(b, iptr, panel, kcl, wvalid, s_bn, NRc, dt, W, pf=nxt)
+            return panel
+        masks = [_mask_upto(b, b.sub(wvalid, u.i64(v * W)), W) for v in range(V)]
+        lines = -(-(NRc * u.ITEMSIZE[dt]) // 64)
+        with u.Loop(b, u.i64(0), kcl, 1, "kb") as k:
+            row = b.mul(k, s_bk)
+            for line in range(lines):
+                u.prefetch(b, iptr, b.add(b.add(row, nxt), u.i64(line * 64 // u.ITEMSIZE[dt])),
+                           dt)
+            for v in range(V):
+                x = u.load(b, iptr, b.add(row, u.i64(v * W)), dt, W, masks[v])
+                u.store(b, x, panel, b.add(b.mul(k, u.i64(NRc)), u.i64(v * W)), "f32")
+        return panel
+    return make
 
 
 def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:

@@ -26,6 +26,10 @@ from .raw import RawTensor, numel
 
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
+DIRECT_B = True          # gemm_tile_direct (B read in place, no pack pass) when it applies:
+DIRECT_MC_PANELS = 20    # M up to this many MR panels (one M block, MC x KC of A in L2) ...
+DIRECT_MAX_A = 1 << 20   # ... and A up to this many floats (re-read from cache per N block)
+DIRECT_MIN_CHUNKS = 8    # N blocks of fewer panels until there are this many (thread balance)
 PACK_CHUNK = 1 << 17     # floats packed per chunk (one KC block of a group of panels)
 SMALL_CHUNK = 1 << 19    # multiply-adds per chunk of the direct kernels (a few µs of work)
 SMALL_M = 4              # at most this many rows of C go the direct way (rowvec / dot)
@@ -342,22 +346,40 @@ def blocks(n_panels, max_per):
 
 
 def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
-    plan.kind = "packed"
     MR, NR = g.mr(), g.nr()
     Mp = -(-M // MR) * MR
     Np = -(-N // NR) * NR
     a_step, npa, asz = pack_step(A, "f32", MR, M, K, sa[0], sa[1], bs, ast, nbatch, 0)
     asz = -(-asz // 16) * 16
-    b_step, npb, bsz = pack_step(B, bdt, NR, N, K, sb[1], sb[0], bs, bst, nbatch, asz * 4)
-    plan.steps += [a_step, b_step]
-    plan.scratch = asz + bsz
-    MC = blocks(Mp // MR, MC_PANELS) * MR
-    NC = blocks(Np // NR, NC_PANELS) * NR
-    nmb, nnb = -(-M // MC), -(-N // NC)
+    s_bk, s_bn = sb
+    bmode = "wvec" if s_bn == 1 or N == 1 else "kvec" if s_bk == 1 or K == 1 else "any"
+    # b read in place (no pack pass) when A is one M block whose re-reads (one per N block)
+    # stay in cache: then every panel of b is read once, straight from the operand
+    direct = (DIRECT_B and bmode != "any" and Mp // MR <= DIRECT_MC_PANELS
+              and Mp * K <= DIRECT_MAX_A and (nbatch == 1 or bs[:2] == (1, 1)))
+    MC = Mp if direct else blocks(Mp // MR, MC_PANELS) * MR
+    nmb = -(-M // MC)
+    if direct:
+        plan.kind = "packed direct-b"
+        plan.steps.append(a_step)
+        plan.scratch = asz
+        NC = blocks(Np // NR, min(NC_PANELS, max(1, Np // NR // DIRECT_MIN_CHUNKS))) * NR
+        b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)
+        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL))
+        extra = (s_bk, s_bn)
+    else:
+        plan.kind = "packed"
+        b_step, npb, bsz = pack_step(B, bdt, NR, N, K, s_bn, s_bk, bs, bst, nbatch, asz * 4)
+        plan.steps += [a_step, b_step]
+        plan.scratch = asz + bsz
+        NC = blocks(Np // NR, NC_PANELS) * NR
+        b_ptr, b_bat = (S, asz * 4), (0 if npb == 1 else Np * K)
+        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
+        extra = ()
+    nnb = -(-N // NC)
     if acc and K > g.KC:
         plan.partial = nbatch * M * N
-    addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
     plan.steps.append((addr, nbatch * nmb * nnb, nbatch * M * N * K,
-                       ((S, 0), (S, asz * 4), (C, 0), (P if plan.partial else C, 0)),
+                       ((S, 0), b_ptr, (C, 0), (P if plan.partial else C, 0)),
                        (M, N, K, g.KC, MC, NC, nmb, nnb, 0 if npa == 1 else Mp * K,
-                        0 if npb == 1 else Np * K, int(acc), int(N > M))))
+                        b_bat, int(acc), int(N > M), *extra)))
