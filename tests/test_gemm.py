@@ -76,7 +76,7 @@ def force_direct(monkeypatch):
 def _direct_applies(M, K):
     from fucina.codegen import gemm as g
     Mp = -(-M // g.mr()) * g.mr()
-    return Mp // g.mr() <= mm.DIRECT_MC_PANELS and Mp * K <= mm.DIRECT_MAX_A
+    return Mp // g.mr() <= mm.DIRECT_MC_PANELS
 
 
 def _both_threads(fn):
@@ -138,6 +138,19 @@ def test_direct_b_path_everywhere(shape, ta, tb, force_direct, monkeypatch):
     packed, path = _shape_case(shape, ta, tb)
     assert path == "packed"
     assert_bitwise(got, packed)
+
+
+@pytest.mark.parametrize("ta,tb", ORIENT, ids=["nn", "tn", "nt", "tt"])
+def test_direct_b_two_column_blocks(ta, tb, force_direct, monkeypatch):
+    """An A too big to re-read from cache gets two N blocks (the grid for a deep K): the same
+    bits as pack + tiles, at 1 and 2 threads."""
+    monkeypatch.setattr(mm, "DIRECT_MAX_A", 0)
+    got, path = _shape_case((45, 1100, 230), ta, tb)
+    assert path == "packed direct-b"
+    assert mm._plans and all(p.steps[-1][1] == 2 for p in mm._plans.values())
+    monkeypatch.setattr(mm, "DIRECT_B", False)
+    mm._plans.clear()
+    assert_bitwise(got, _shape_case((45, 1100, 230), ta, tb)[0])
 
 
 def _direct_and_packed(run, monkeypatch):

@@ -212,7 +212,7 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
 def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
     """Unit stride along k: W panel rows x W consecutive k at a time, loaded along k and
     transposed in registers; one group of W rows after the other (W read streams at once).
-    Each load prefetches the line `pf` elements on (default PF_K along its row)."""
+    Each load prefetches the line `pf` elements on (default PF_K along its row; False: none)."""
     nvec = -(-Wp // W)
     for g in range(nvec):
         width_g = min(W, Wp - g * W)
@@ -228,7 +228,8 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
                     continue
                 m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, _zero_mask(W))
                 row = b.add(b.mul(u.i64(w), s_w), kt)
-                u.prefetch(b, iptr, b.add(row, u.i64(PF_K) if pf is None else pf), dt)
+                if pf is not False:
+                    u.prefetch(b, iptr, b.add(row, u.i64(PF_K) if pf is None else pf), dt)
                 vecs.append(u.load(b, iptr, row, dt, W, m))
             cols = transpose(b, vecs)
             full = b.icmp_signed("==", kn, u.i64(W))
@@ -332,31 +333,53 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
     V = NRc // W
     src = u.arg_ptr(b, args, 1)
     sbat, s_bk, s_bn = (u.arg(b, args, i) for i in (13, 16, 17))
+    kc = u.arg(b, args, 7)
     panel = panel_buffer(b, KC * NRc)
+
+    isz = u.ITEMSIZE[dt]
+    per_line = 64 // isz
 
     def make(bt, k0, kcl, j0):
         base = b.add(b.mul(bt, sbat), b.add(b.mul(k0, s_bk), b.mul(j0, s_bn)))
         iptr = b.gep(src, [base], source_etype=u.STORAGE[dt])
         wvalid = u.smin(b, u.i64(NRc), b.sub(N, j0))
-        # the micro-kernel runs a whole column of MR panels on this panel: time enough to
-        # bring in the next panel's piece of b (the rows of a KC block are far apart in
-        # memory and each is read only NR wide: no hardware prefetcher follows that)
-        nxt = b.mul(u.i64(NRc), s_bn)
         if mode == "kvec":
-            _pack_kvec(b, iptr, panel, kcl, wvalid, s_bn, NRc, dt, W, pf=nxt)
+            _pack_kvec(b, iptr, panel, kcl, wvalid, s_bn, NRc, dt, W, pf=False)
             return panel
         masks = [_mask_upto(b, b.sub(wvalid, u.i64(v * W)), W) for v in range(V)]
-        lines = -(-(NRc * u.ITEMSIZE[dt]) // 64)
         with u.Loop(b, u.i64(0), kcl, 1, "kb") as k:
             row = b.mul(k, s_bk)
-            for line in range(lines):
-                u.prefetch(b, iptr, b.add(b.add(row, nxt), u.i64(line * 64 // u.ITEMSIZE[dt])),
-                           dt)
             for v in range(V):
                 x = u.load(b, iptr, b.add(row, u.i64(v * W)), dt, W, masks[v])
                 u.store(b, x, panel, b.add(b.mul(k, u.i64(NRc)), u.i64(v * W)), "f32")
         return panel
-    return make
+
+    def ahead(bt, k0, j0, col0, col1, part, parts):
+        """The next panel's lines (the tile's next NR columns, or its first ones in the next
+        KC block), a 1/parts share per MR panel run: the rows of a KC block are far apart
+        and each is read only NR wide (kvec: KC long), which no hardware prefetcher follows,
+        and one burst per panel would overrun the core's outstanding-miss slots."""
+        jn = b.add(j0, u.i64(NRc))
+        wrap = b.icmp_signed(">=", jn, col1)
+        kn = b.select(wrap, b.add(k0, kc), k0)
+        jn = b.select(wrap, col0, jn)
+        with b.if_then(b.icmp_signed("<", kn, K)):
+            kl = u.smin(b, kc, b.sub(K, kn))
+            base = b.add(b.mul(bt, sbat), b.add(b.mul(kn, s_bk), b.mul(jn, s_bn)))
+            if mode == "kvec":      # NR rows of W, each kl long
+                rows, stride = u.smin(b, u.i64(NRc), b.sub(N, jn)), s_bn
+                lpr = b.sdiv(b.add(kl, u.i64(per_line - 1)), u.i64(per_line))
+            else:                   # kl rows of b, each NR wide
+                rows, stride = kl, s_bk
+                lpr = u.i64(-(-NRc // per_line))
+            total = b.mul(rows, lpr)
+            l0 = b.sdiv(b.mul(total, part), parts)
+            l1 = b.sdiv(b.mul(total, b.add(part, u.i64(1))), parts)
+            with u.Loop(b, l0, l1, 1, "pf") as ln:
+                r, c = b.sdiv(ln, lpr), b.srem(ln, lpr)
+                u.prefetch(b, src, b.add(base, b.add(b.mul(r, stride),
+                                                     b.mul(c, u.i64(per_line)))), dt)
+    return make, ahead
 
 
 def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
@@ -366,7 +389,9 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
     b_panel(b, args, N, K, NR) runs once at the kernel's entry and returns
     panel(bt, k0, kcl, j0) -> the address of the kcl x NR panel of batch bt for k0 .. k0+kcl-1
     and columns j0 .. j0+NR-1 in gemm_pack's layout (element [k - k0][j - j0], zeros past N),
-    emitted inside the loop over a tile's NR panels."""
+    emitted inside the loop over a tile's NR panels; or (panel, ahead) with
+    ahead(bt, k0, j0, col0, col1, part, parts) emitted before each MR panel's micro-kernel
+    run (part of parts), to prefetch a share of what the tile's next panel will read."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
     vt = _vt(W)
@@ -375,7 +400,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
     M, N, K, kc, MC, NC, nmb, nnb, sAp, accflag, mfast = (
         u.arg(b, args, i) for i in (4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
-    panel_of = b_panel(b, args, N, K, NRc)
+    hook = b_panel(b, args, N, K, NRc)
+    panel_of, ahead = hook if isinstance(hook, tuple) else (hook, None)
     accumulate = b.icmp_signed("!=", accflag, u.i64(0))
     accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
 
@@ -402,7 +428,10 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
                 bp = panel_of(bt, k0, kcl, j0)
                 nvalid = b.sub(N, j0)
                 cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
+                nparts = b.sdiv(b.add(b.sub(row1, row0), u.i64(R - 1)), u.i64(R))
                 with u.Loop(b, row0, row1, R, "i0") as i0:
+                    if ahead is not None:
+                        ahead(bt, k0, j0, col0, col1, b.sdiv(b.sub(i0, row0), u.i64(R)), nparts)
                     ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
                     mvalid = b.sub(M, i0)
                     coff = b.add(cbat, b.add(b.mul(i0, N), j0))

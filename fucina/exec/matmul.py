@@ -27,9 +27,9 @@ from .raw import RawTensor, numel
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
 DIRECT_B = True          # gemm_tile_direct (B read in place, no pack pass) when it applies:
-DIRECT_MC_PANELS = 20    # M up to this many MR panels (one M block, MC x KC of A in L2) ...
-DIRECT_MAX_A = 1 << 20   # ... and A up to this many floats (re-read from cache per N block)
-DIRECT_MIN_CHUNKS = 8    # N blocks of fewer panels until there are this many (thread balance)
+DIRECT_MC_PANELS = 20    # ... for M up to this many MR panels (one M block, MC x KC of A in L2)
+DIRECT_MAX_A = 1 << 20   # A up to this many floats is re-read from cache per N block: N blocks
+DIRECT_MIN_CHUNKS = 8    # of fewer panels until there are this many (thread balance); else 2
 PACK_CHUNK = 1 << 17     # floats packed per chunk (one KC block of a group of panels)
 SMALL_CHUNK = 1 << 19    # multiply-adds per chunk of the direct kernels (a few µs of work)
 SMALL_M = 4              # at most this many rows of C go the direct way (rowvec / dot)
@@ -353,17 +353,21 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     asz = -(-asz // 16) * 16
     s_bk, s_bn = sb
     bmode = "wvec" if s_bn == 1 or N == 1 else "kvec" if s_bk == 1 or K == 1 else "any"
-    # b read in place (no pack pass) when A is one M block whose re-reads (one per N block)
-    # stay in cache: then every panel of b is read once, straight from the operand
+    # b read in place (no pack pass) when A is one M block: every panel of b is then read
+    # once, straight from the operand, and A once per N block
     direct = (DIRECT_B and bmode != "any" and Mp // MR <= DIRECT_MC_PANELS
-              and Mp * K <= DIRECT_MAX_A and (nbatch == 1 or bs[:2] == (1, 1)))
+              and (nbatch == 1 or bs[:2] == (1, 1)))
     MC = Mp if direct else blocks(Mp // MR, MC_PANELS) * MR
     nmb = -(-M // MC)
     if direct:
         plan.kind = "packed direct-b"
         plan.steps.append(a_step)
         plan.scratch = asz
-        NC = blocks(Np // NR, min(NC_PANELS, max(1, Np // NR // DIRECT_MIN_CHUNKS))) * NR
+        panels = Np // NR
+        if Mp * K <= DIRECT_MAX_A:      # A re-read from cache: N blocks enough to balance
+            NC = blocks(panels, min(NC_PANELS, max(1, panels // DIRECT_MIN_CHUNKS))) * NR
+        else:                           # A from memory: two N blocks (one per thread of two)
+            NC = blocks(panels, -(-panels // 2)) * NR
         b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)
         addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL))
         extra = (s_bk, s_bn)
