@@ -11,6 +11,7 @@ summed over the step. The last of `--steps` steps is reported (the first compile
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from collections import defaultdict
 
@@ -36,6 +37,7 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
 
     launches = []            # (addr, seconds, gemm id or None)
     calls = []               # per gemm call: (M, K, N, orient, kind)
+    faults = []              # per gemm call: minor page faults
     current = [None]
     real_launch = ctx.launch
 
@@ -60,10 +62,12 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
             kind = "?"
         calls.append((batch, M, K, N, orient + (" acc" if accumulate else ""), kind))
         current[0] = len(calls) - 1
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
             return real_gemm(c, a, b, out, accumulate)
         finally:
             current[0] = None
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
     def step():
         with ctx.exec_scope():
@@ -77,6 +81,7 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
     for s in range(steps):
         launches.clear()
         calls.clear()
+        faults.clear()
         patched = s == steps - 1
         if patched:
             ctx.launch = timed_launch
@@ -89,7 +94,7 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
             _unpatch(mods, real_gemm)
     fam = _family_of()
     groups = defaultdict(lambda: {"n": 0, "pack_a": 0.0, "pack_b": 0.0, "tile": 0.0, "other": 0.0,
-                                  "flop": 0.0})
+                                  "flop": 0.0, "faults": 0})
     gemm_t = 0.0
     non_gemm = defaultdict(float)
     for addr, dt, gid in launches:
@@ -106,8 +111,9 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
             g["tile"] += dt
         else:
             g["other"] += dt
-    for c in calls:
+    for c, f in zip(calls, faults):
         groups[c]["n"] += 1
+        groups[c]["faults"] += f
         batch, M, K, N = c[:4]
         groups[c]["flop"] += 2.0 * batch * M * K * N
     return {"wall": wall, "gemm": gemm_t, "groups": dict(groups), "non_gemm": dict(non_gemm),
@@ -140,7 +146,7 @@ def report(r: dict) -> str:
              f"dispatch {(r['wall'] - r['launch_total']) * 1e3:.1f} ms",
              f"{'batch':>5} {'M':>5} {'K':>6} {'N':>6} {'orient':<10} {'path':<16} {'n':>4} "
              f"{'packA':>7} {'packB':>7} {'tile':>8} {'other':>7} {'total ms':>9} {'GF/s':>6} "
-             f"{'tileGF/s':>8}"]
+             f"{'tileGF/s':>8} {'faults':>7}"]
     rows = sorted(r["groups"].items(), key=lambda kv: -(kv[1]["pack_a"] + kv[1]["pack_b"]
                                                          + kv[1]["tile"] + kv[1]["other"]))
     for (batch, M, K, N, orient, kind), g in rows:
@@ -149,7 +155,7 @@ def report(r: dict) -> str:
                      f"{g['pack_a'] * 1e3:>7.2f} {g['pack_b'] * 1e3:>7.2f} "
                      f"{g['tile'] * 1e3:>8.2f} {g['other'] * 1e3:>7.2f} {tot * 1e3:>9.2f} "
                      f"{g['flop'] / max(tot, 1e-12) / 1e9:>6.0f} "
-                     f"{g['flop'] / max(g['tile'], 1e-12) / 1e9:>8.0f}")
+                     f"{g['flop'] / max(g['tile'], 1e-12) / 1e9:>8.0f} {g['faults']:>7}")
     flop = sum(g["flop"] for g in r["groups"].values())
     lines.append(f"GEMM total {r['gemm'] * 1e3:.1f} ms for {flop / 1e9:.1f} GFLOP = "
                  f"{flop / r['gemm'] / 1e9:.0f} GFLOP/s; step {flop / r['wall'] / 1e9:.0f} GFLOP/s")

@@ -27,7 +27,8 @@ from .raw import RawTensor, numel
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
 DIRECT_B = True          # gemm_tile_direct (B read in place, no pack pass) when it applies:
-DIRECT_MC_PANELS = 20    # ... for M up to this many MR panels (one M block, MC x KC of A in L2)
+DIRECT_MC_PANELS = 20    # ... with M blocks of up to this many MR panels (MC x KC of A in L2)
+DIRECT_MAX_MB = 1        # and at most this many M blocks (each derives its B panels anew)
 DIRECT_MAX_A = 1 << 20   # A up to this many floats is re-read from cache per N block: N blocks
 DIRECT_MIN_CHUNKS = 8    # of fewer panels until there are this many (thread balance); else 2
 PACK_CHUNK = 1 << 17     # floats packed per chunk (one KC block of a group of panels)
@@ -355,16 +356,17 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     bmode = "wvec" if s_bn == 1 or N == 1 else "kvec" if s_bk == 1 or K == 1 else "any"
     # b read in place (no pack pass) when A is one M block: every panel of b is then read
     # once, straight from the operand, and A once per N block
-    direct = (DIRECT_B and bmode != "any" and Mp // MR <= DIRECT_MC_PANELS
+    MCd = blocks(Mp // MR, DIRECT_MC_PANELS) * MR
+    direct = (DIRECT_B and bmode != "any" and -(-M // MCd) <= DIRECT_MAX_MB
               and (nbatch == 1 or bs[:2] == (1, 1)))
-    MC = Mp if direct else blocks(Mp // MR, MC_PANELS) * MR
+    MC = MCd if direct else blocks(Mp // MR, MC_PANELS) * MR
     nmb = -(-M // MC)
     if direct:
         plan.kind = "packed direct-b"
         plan.steps.append(a_step)
         plan.scratch = asz
         panels = Np // NR
-        if Mp * K <= DIRECT_MAX_A:      # A re-read from cache: N blocks enough to balance
+        if MC * K <= DIRECT_MAX_A:      # A re-read from cache: N blocks enough to balance
             NC = blocks(panels, min(NC_PANELS, max(1, panels // DIRECT_MIN_CHUNKS))) * NR
         else:                           # A from memory: two N blocks (one per thread of two)
             NC = blocks(panels, -(-panels // 2)) * NR
