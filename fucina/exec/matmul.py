@@ -27,7 +27,7 @@ from .raw import RawTensor, numel
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
 DIRECT_B = True          # gemm_tile_direct (B read in place, no pack pass) when it applies:
-DIRECT_MC_PANELS = 20    # ... with M blocks of up to this many MR panels (MC x KC of A in L2)
+DIRECT_MC_ROWS = 288     # ... with M blocks of up to this many rows (MC x KC of A in L2)
 DIRECT_MAX_MB = 1        # and at most this many M blocks (each derives its B panels anew)
 DIRECT_MAX_A = 1 << 20   # A up to this many floats is re-read from cache per N block: N blocks
 DIRECT_MIN_CHUNKS = 8    # of fewer panels until there are this many (thread balance); else 2
@@ -356,7 +356,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     bmode = "wvec" if s_bn == 1 or N == 1 else "kvec" if s_bk == 1 or K == 1 else "any"
     # b read in place (no pack pass) when A is one M block: every panel of b is then read
     # once, straight from the operand, and A once per N block
-    MCd = blocks(Mp // MR, DIRECT_MC_PANELS) * MR
+    MCd = blocks(Mp // MR, max(1, DIRECT_MC_ROWS // MR)) * MR
     direct = (DIRECT_B and bmode != "any" and -(-M // MCd) <= DIRECT_MAX_MB
               and (nbatch == 1 or bs[:2] == (1, 1)))
     MC = MCd if direct else blocks(Mp // MR, MC_PANELS) * MR
