@@ -26,6 +26,11 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              pointer into gemm_pack's panels here, the quantized matmul's blocks decoded on
              the fly into a stack buffer (fucina.codegen.quant_gemm) — one micro-kernel, so
              the two give the same bits.
+  gemm_tile_direct  gemm_tile with B read from the operand itself (no gemm_pack pass over it):
+             each KC x NR panel is copied or register-transposed into a stack buffer right
+             before the micro-kernel uses it, the next panel prefetched meanwhile — the same
+             micro-kernel, so gemm_tile's bits. For one M block of A (the LoRA step's 256-row
+             products): b is then read once, where packing reads it, writes it and reads it.
   gemm_small direct kernels, no packing of A, for shapes where packing costs more than it
              saves: `rowvec` (few rows of C, or b small enough for L2) runs the very same FMA
              chain per element as gemm_tile — the two give identical bits; `dot` (a and b

@@ -8,6 +8,9 @@ Paths (codegen/gemm.py), chosen from the shapes and strides alone:
   packed  — pack A and B into panels (one launch each, parallel over panels; a batch-broadcast
             operand is packed once), then one launch over a grid of (batch, M-block, N-block)
             tiles of C. The grid is a function of the problem size only.
+            "packed direct-b" when A is one M block (M <= DIRECT_MC_ROWS) and b has a unit
+            stride (along n, or along k: b = Wᵀ): only A is packed, the tile kernel reads b's
+            panels in place (gemm_tile_direct) — the same bits as packing both.
   rowvec  — few rows of C (M <= 4) with b contiguous along n, or tiny problems: no packing.
   dot     — few rows (or few columns) of C with a and b contiguous along k (x · Wᵀ for one
             token, a skinny output): dot products vectorised along k.
@@ -26,11 +29,11 @@ from .raw import RawTensor, numel
 
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
-DIRECT_B = True          # gemm_tile_direct (B read in place, no pack pass) when it applies:
-DIRECT_MC_ROWS = 288     # ... with M blocks of up to this many rows (MC x KC of A in L2)
-DIRECT_MAX_MB = 1        # and at most this many M blocks (each derives its B panels anew)
-DIRECT_MAX_A = 1 << 20   # A up to this many floats is re-read from cache per N block: N blocks
-DIRECT_MIN_CHUNKS = 8    # of fewer panels until there are this many (thread balance); else 2
+DIRECT_B = True          # b read in place by gemm_tile_direct (no pack pass) when A makes at
+DIRECT_MAX_MB = 1        # most this many M blocks (each derives its b panels anew) of at most
+DIRECT_MC_ROWS = 288     # this many rows (MC x KC of A stays in L2); then an A of at most
+DIRECT_MAX_A = 1 << 20   # this many floats is re-read from cache per N block, and N blocks get
+DIRECT_MIN_CHUNKS = 8    # fewer panels until there are this many (thread balance); else two
 PACK_CHUNK = 1 << 17     # floats packed per chunk (one KC block of a group of panels)
 SMALL_CHUNK = 1 << 19    # multiply-adds per chunk of the direct kernels (a few µs of work)
 SMALL_M = 4              # at most this many rows of C go the direct way (rowvec / dot)
