@@ -15,7 +15,7 @@ from conftest import assert_bitwise
 
 SHAPES = [(1, 1, 1), (37, 129, 65), (3, 4096, 17), (2, 300, 50), (1, 1000, 37), (5, 7, 3),
           (64, 64, 64), (256, 1024, 8), (40, 20, 200), (300, 9, 130), (37, 600, 500),
-          (45, 530, 700), (3, 700, 500), (1, 300, 1000)]
+          (45, 530, 700), (3, 700, 500), (1, 300, 1000), (300, 600, 500)]
 ORIENT = [(False, False), (True, False), (False, True), (True, True)]
 
 
@@ -47,15 +47,36 @@ def _data(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.fixture
-def force_packed(monkeypatch):
-    """Route every shape through the packed path (pack + tiles), edges and all."""
+def _route(monkeypatch, direct):
+    """Every shape through the tile kernels: pack + tiles, or (direct) b read in place where
+    it applies."""
     monkeypatch.setattr(mm, "SMALL_M", 0)
     monkeypatch.setattr(mm, "DOT_N", 0)
     monkeypatch.setattr(mm, "RV_MAX_B", 0)
+    monkeypatch.setattr(mm, "DIRECT_B", direct)
     mm._plans.clear()
+
+
+@pytest.fixture
+def force_packed(monkeypatch):
+    """Route every shape through the packed path (pack + tiles), edges and all."""
+    _route(monkeypatch, False)
     yield
     mm._plans.clear()
+
+
+@pytest.fixture
+def force_direct(monkeypatch):
+    """Route every shape through the tile kernels, b read in place wherever that applies."""
+    _route(monkeypatch, True)
+    yield
+    mm._plans.clear()
+
+
+def _direct_applies(M, K):
+    from fucina.codegen import gemm as g
+    Mp = -(-M // g.mr()) * g.mr()
+    return Mp <= max(1, mm.DIRECT_MC_ROWS // g.mr()) * g.mr()
 
 
 def _both_threads(fn):
@@ -102,6 +123,114 @@ def test_packed_path_everywhere(shape, ta, tb, force_packed):
     assert _shape_case(shape, ta, tb)[1] == "packed"
 
 
+@pytest.mark.parametrize("shape", SHAPES + [(8, 256, 32), (288, 513, 33), (289, 40, 70)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ta,tb", ORIENT, ids=["nn", "tn", "nt", "tt"])
+def test_direct_b_path_everywhere(shape, ta, tb, force_direct, monkeypatch):
+    """The tile kernel reading b in place (gemm_tile_direct: wvec for b as given, kvec for
+    b = Wᵀ) at every shape with one M block, edges in N and K over several KC blocks: against
+    numpy, bitwise at 1 and 2 threads, and bitwise the pack + tiles path (one micro-kernel)."""
+    got, path = _shape_case(shape, ta, tb)
+    M, K, N = shape
+    assert path == ("packed direct-b" if _direct_applies(M, K) else "packed")
+    monkeypatch.setattr(mm, "DIRECT_B", False)
+    mm._plans.clear()
+    packed, path = _shape_case(shape, ta, tb)
+    assert path == "packed"
+    assert_bitwise(got, packed)
+
+
+@pytest.mark.parametrize("ta,tb", ORIENT, ids=["nn", "tn", "nt", "tt"])
+def test_direct_b_two_column_blocks(ta, tb, force_direct, monkeypatch):
+    """An A too big to re-read from cache gets two N blocks (the grid for a deep K): the same
+    bits as pack + tiles, at 1 and 2 threads."""
+    monkeypatch.setattr(mm, "DIRECT_MAX_A", 0)
+    got, path = _shape_case((45, 1100, 230), ta, tb)
+    assert path == "packed direct-b"
+    assert mm._plans and all(p.steps[-1][1] == 2 for p in mm._plans.values())
+    monkeypatch.setattr(mm, "DIRECT_B", False)
+    mm._plans.clear()
+    assert_bitwise(got, _shape_case((45, 1100, 230), ta, tb)[0])
+
+
+def _direct_and_packed(run, monkeypatch):
+    """run(ctx) at 1 and 2 threads through the direct-b tiles (asserting that path), then
+    through pack + tiles: all four bitwise equal; returns the result."""
+    outs = []
+    for direct in (True, False):
+        _route(monkeypatch, direct)
+        outs.append(_both_threads(lambda ctx: run(ctx, "packed direct-b" if direct else "packed")))
+    mm._plans.clear()
+    assert_bitwise(outs[0], outs[1])
+    return outs[0]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+def test_direct_b_half(dtype, tb, monkeypatch):
+    """f16/bf16 b read in place widens exactly: the bits of the f32 product with b widened."""
+    M, K, N = 37, 300, 65
+    rng = np.random.default_rng(K + N)
+    A, B = _data(rng, M, K), _data(rng, K, N)
+    Bw = (B.astype(np.float16).astype(np.float32) if dtype == "f16"
+          else bf16_bits_to_f32(f32_to_bf16_bits(B)))
+
+    def run(ctx, path):
+        a, bh = ctx.from_numpy(A), _operand(ctx, B, tb, dtype)
+        assert mm.path_of(a, bh) == path
+        half = gemm(ctx, a, bh).to_numpy()
+        assert_bitwise(half, gemm(ctx, a, _operand(ctx, Bw, tb)).to_numpy())
+        return half
+
+    got = _direct_and_packed(run, monkeypatch)
+    assert np.abs(got - _ref(A, Bw)).max() <= _tol(A, Bw)
+
+
+@pytest.mark.parametrize("bcast", [False, True], ids=["batched-b", "broadcast-b"])
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+def test_direct_b_batched(bcast, tb, monkeypatch):
+    """A batch of products with b read in place at its batch stride (0 when broadcast)."""
+    nb, M, K, N = 3, 37, 300, 70
+    rng = np.random.default_rng(nb * M)
+    A, B = _data(rng, nb, M, K), _data(rng, 1 if bcast else nb, K, N)
+
+    def run(ctx, path):
+        a, b = ctx.from_numpy(A), _operand(ctx, B, tb)
+        if bcast:
+            b = b.broadcast_to((nb, K, N))
+        assert mm.path_of(a, b) == path
+        return gemm(ctx, a, b).to_numpy()
+
+    got = _direct_and_packed(run, monkeypatch)
+    assert np.abs(got - _ref(A, np.broadcast_to(B, (nb, K, N)))).max() <= _tol(A, B)
+
+
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+def test_direct_b_accumulate_and_views(tb, monkeypatch):
+    """Accumulating over several KC blocks (partial sums in scratch), b a padded view and b
+    with stride 0 along n, all through the direct-b tiles."""
+    M, K, N = 40, 530, 100
+    rng = np.random.default_rng(M + K)
+    A, C0 = _data(rng, M, K), _data(rng, M, N)
+    Bbig = _data(rng, K + 4, N + 9)
+    bcol = _data(rng, K, 1)
+
+    def run(ctx, path):
+        a = ctx.from_numpy(A)
+        base = _operand(ctx, Bbig, tb)
+        b = base.narrow(0, 3, K).narrow(1, 4, N)            # rows (or columns) padded
+        bz = ctx.from_numpy(bcol).broadcast_to((K, N))      # stride 0 along n: kvec
+        assert mm.path_of(a, b) == path and mm.path_of(a, bz) == path
+        acc = ctx.from_numpy(C0)
+        gemm(ctx, a, b, out=acc, accumulate=True)
+        return np.stack([acc.to_numpy(), gemm(ctx, a, bz).to_numpy()])
+
+    got = _direct_and_packed(run, monkeypatch)
+    Bv = Bbig[3:3 + K, 4:4 + N]
+    assert np.abs(got[0] - (C0 + _ref(A, Bv))).max() <= _tol(A, Bv, 1e-6 * np.abs(C0).max())
+    assert np.abs(got[1] - _ref(A, np.broadcast_to(bcol, (K, N)))).max() <= _tol(A, bcol)
+
+
 def test_paths_are_covered_and_rowvec_matches_packed():
     """The shape list reaches every path; rowvec runs the same FMA chain per element as the
     packed path, so the two agree bit for bit (the dot path sums in another fixed order)."""
@@ -116,17 +245,19 @@ def test_paths_are_covered_and_rowvec_matches_packed():
                 path = mm.path_of(a, b)
                 seen.add(path)
                 got = gemm(ctx, a, b).to_numpy()
-                if path.startswith("rowvec"):
-                    saved = mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B
+                if path.startswith("rowvec") or path == "packed direct-b":
+                    saved = mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B, mm.DIRECT_B
                     mm.SMALL_M = mm.DOT_N = mm.RV_MAX_B = 0
+                    mm.DIRECT_B = False
                     mm._plans.clear()
                     try:
                         assert mm.path_of(a, b) == "packed"
                         assert_bitwise(got, gemm(ctx, a, b).to_numpy())
                     finally:
-                        mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B = saved
+                        mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B, mm.DIRECT_B = saved
                         mm._plans.clear()
-    assert seen == {"rowvec", "rowvec packed-b", "dot", "dot copied-b", "packed"}
+    assert seen == {"rowvec", "rowvec packed-b", "dot", "dot copied-b", "packed",
+                    "packed direct-b"}
 
 
 @pytest.mark.parametrize("tb", [False, True], ids=["nn", "nt"])
@@ -388,16 +519,28 @@ def _hot_loop(asm: str) -> list[str]:
     return max(inner, key=lambda b: sum("vfmadd" in x for x in b), default=[])
 
 
-def test_micro_kernel_inner_loop_is_tight():
-    """The tile kernel's hot loop: MR x NR/16 x UNROLL zmm FMAs, no stack traffic (no spills)."""
+@pytest.mark.parametrize("kind", ["packed", "direct-wvec", "direct-kvec"])
+def test_micro_kernel_inner_loop_is_tight(kind):
+    """The tile kernel's hot loop: MR x NR/16 x UNROLL zmm FMAs, no stack traffic (no spills;
+    the direct-b kernels' panel buffer is addressed through a register like packed B)."""
     from fucina.codegen import gemm as g
     from fucina.codegen.jit import assembly
     from fucina.codegen.target import host
 
-    key = g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL)
+    key = (g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL) if kind == "packed" else
+           g.GemmTileDirectKey("f32", kind.split("-")[1], g.mr(), g.NR_VECS, g.UNROLL))
     body = _hot_loop(assembly(key.ir("k")))
     fmas = [x for x in body if "vfmadd" in x]
     reg = {512: "zmm", 256: "ymm"}.get(host().vector_bits, "xmm")
     assert len(fmas) == g.mr() * g.NR_VECS * g.UNROLL
     assert all(reg in x for x in fmas)
-    assert not [x for x in body if "rsp" in x or "rbp)" in x], "stack traffic in the hot loop"
+    # no spills: a spill or its reload addresses the frame at a fixed offset, N(%rsp) or
+    # N(%rbp); indexed reads (base,index) are a panel (the direct kernels' B buffer lives on
+    # the stack; rbp may be a general register)
+    import re
+    spill = re.compile(r"-?\d*\(%r[sb]p\)")
+    assert not [x for x in body if spill.search(x)], "stack traffic in the hot loop"
+    stores = [x for x in body if x.rstrip().endswith(")") and "%rsp" in x[x.rfind("("):]]
+    assert not stores, "stores to the stack in the hot loop"
+    if kind == "packed":
+        assert not [x for x in body if "%rsp" in x], "stack traffic in the hot loop"

@@ -13,7 +13,7 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
                any  — scalar loads.
   gemm_tile  one chunk = one (batch, MC-row block, NC-column block) tile of C. For each KC
              block in increasing order, for each NR panel of the tile's columns, for each MR
-             panel of its rows: MR x NR accumulators (MR * NR/W vector registers; 14 x 2 zmm on
+             panel of its rows: MR x NR accumulators (MR * NR/W vector registers; 8 x 2 zmm on
              AVX-512, FMAs with broadcasts from packed A and vector loads from packed B) run one
              FMA chain per output element over k in increasing order, starting from the
              partial sum of the previous KC block (reloaded from memory: storing and reloading
@@ -26,6 +26,11 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              pointer into gemm_pack's panels here, the quantized matmul's blocks decoded on
              the fly into a stack buffer (fucina.codegen.quant_gemm) — one micro-kernel, so
              the two give the same bits.
+  gemm_tile_direct  gemm_tile with B read from the operand itself (no gemm_pack pass over it):
+             each KC x NR panel is copied or register-transposed into a stack buffer right
+             before the micro-kernel uses it, the next panel prefetched meanwhile — the same
+             micro-kernel, so gemm_tile's bits. For one M block of A (the LoRA step's 256-row
+             products): b is then read once, where packing reads it, writes it and reads it.
   gemm_small direct kernels, no packing of A, for shapes where packing costs more than it
              saves: `rowvec` (few rows of C, or b small enough for L2) runs the very same FMA
              chain per element as gemm_tile — the two give identical bits; `dot` (a and b
@@ -61,9 +66,12 @@ def lanes() -> int:
 
 
 def mr() -> int:
-    """Rows of the micro-tile: MR x NR_VECS accumulators + NR_VECS B vectors + a broadcast
-    fill the 32 zmm registers of AVX-512 (14 x 2 + 2 + 1); 16 registers elsewhere (6 x 2)."""
-    return 14 if host().vector_bits >= 512 else 6
+    """Rows of the micro-tile. AVX-512: 8 x 2 zmm accumulators (16 FMA chains cover two FMA
+    pipes' latency; a B vector load per 8 FMAs is well within two loads a cycle), and 8
+    divides the row counts training runs at (256, 1024 tokens): no edge panel of mostly
+    padding rows (14 rows, the register file's limit, left 256 = 18 x 14 + 4 and measured
+    3-7 % slower on the LoRA step's shapes). Elsewhere 6 x 2 of 16 registers."""
+    return 8 if host().vector_bits >= 512 else 6
 
 
 def nr() -> int:
@@ -209,9 +217,10 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
     return mod
 
 
-def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
+def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
     """Unit stride along k: W panel rows x W consecutive k at a time, loaded along k and
-    transposed in registers; one group of W rows after the other (W read streams at once)."""
+    transposed in registers; one group of W rows after the other (W read streams at once).
+    Each load prefetches the line `pf` elements on (default PF_K along its row; False: none)."""
     nvec = -(-Wp // W)
     for g in range(nvec):
         width_g = min(W, Wp - g * W)
@@ -227,7 +236,8 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W):
                     continue
                 m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, _zero_mask(W))
                 row = b.add(b.mul(u.i64(w), s_w), kt)
-                u.prefetch(b, iptr, b.add(row, u.i64(PF_K)), dt)
+                if pf is not False:
+                    u.prefetch(b, iptr, b.add(row, u.i64(PF_K) if pf is None else pf), dt)
                 vecs.append(u.load(b, iptr, row, dt, W, m))
             cols = transpose(b, vecs)
             full = b.icmp_signed("==", kn, u.i64(W))
@@ -291,6 +301,95 @@ def _packed_b(b, args, N, K, NRc):
     return panel
 
 
+@register
+@dataclass(frozen=True)
+class GemmTileDirectKey(KernelKey):
+    """gemm_tile reading B from the operand itself, no gemm_pack pass over it: each KC x NR
+    panel of B is copied (wvec: b has unit stride along n) or W x W register-transposed (kvec:
+    unit stride along k, b = Wᵀ of a row-major W) into a stack buffer laid out as gemm_pack
+    lays out B, right before the micro-kernel runs it against the tile's MR panels of A. The
+    B operand is read once per M block instead of read, written packed and read again; the
+    micro-kernel is gemm_tile's, so the bits are gemm_tile's.
+
+    Arguments: gemm_tile's, with 1 = b (the operand, `dtype`), 13 = b's batch stride
+    (elements; 0 = broadcast over a batch of one coalesced axis), 16 s_bk, 17 s_bn.
+    """
+    family = "gemm_tile_direct"
+    dtype: str    # b's storage dtype: f32 | f16 | bf16
+    mode: str     # wvec | kvec
+    mr: int
+    nr_vecs: int
+    unroll: int
+
+    def ir(self, symbol: str) -> str:
+        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll,
+                             lambda b, args, N, K, NRc: _direct_b(self.dtype, self.mode, b,
+                                                                  args, N, K, NRc)))
+
+
+def panel_buffer(b, floats):
+    """A 64-byte aligned f32 stack buffer in the entry block (one per kernel call)."""
+    p = u.entry_alloca(b, ir.ArrayType(u.F32, floats))
+    p.align = 64
+    p.type = u.PTR
+    return p
+
+
+def _direct_b(dt, mode, b, args, N, K, NRc):
+    """The B panel hook of gemm_tile_direct: panel[k - k0][j - j0] = b[k, j] (zeros past N)."""
+    W = lanes()
+    V = NRc // W
+    src = u.arg_ptr(b, args, 1)
+    sbat, s_bk, s_bn = (u.arg(b, args, i) for i in (13, 16, 17))
+    kc = u.arg(b, args, 7)
+    panel = panel_buffer(b, KC * NRc)
+
+    isz = u.ITEMSIZE[dt]
+    per_line = 64 // isz
+
+    def make(bt, k0, kcl, j0):
+        base = b.add(b.mul(bt, sbat), b.add(b.mul(k0, s_bk), b.mul(j0, s_bn)))
+        iptr = b.gep(src, [base], source_etype=u.STORAGE[dt])
+        wvalid = u.smin(b, u.i64(NRc), b.sub(N, j0))
+        if mode == "kvec":
+            _pack_kvec(b, iptr, panel, kcl, wvalid, s_bn, NRc, dt, W, pf=False)
+            return panel
+        masks = [_mask_upto(b, b.sub(wvalid, u.i64(v * W)), W) for v in range(V)]
+        with u.Loop(b, u.i64(0), kcl, 1, "kb") as k:
+            row = b.mul(k, s_bk)
+            for v in range(V):
+                x = u.load(b, iptr, b.add(row, u.i64(v * W)), dt, W, masks[v])
+                u.store(b, x, panel, b.add(b.mul(k, u.i64(NRc)), u.i64(v * W)), "f32")
+        return panel
+
+    def ahead(bt, k0, j0, col0, col1, part, parts):
+        """The next panel's lines (the tile's next NR columns, or its first ones in the next
+        KC block), a 1/parts share per MR panel run: the rows of a KC block are far apart
+        and each is read only NR wide (kvec: KC long), which no hardware prefetcher follows,
+        and one burst per panel would overrun the core's outstanding-miss slots."""
+        jn = b.add(j0, u.i64(NRc))
+        wrap = b.icmp_signed(">=", jn, col1)
+        kn = b.select(wrap, b.add(k0, kc), k0)
+        jn = b.select(wrap, col0, jn)
+        with b.if_then(b.icmp_signed("<", kn, K)):
+            kl = u.smin(b, kc, b.sub(K, kn))
+            base = b.add(b.mul(bt, sbat), b.add(b.mul(kn, s_bk), b.mul(jn, s_bn)))
+            if mode == "kvec":      # NR rows of W, each kl long
+                rows, stride = u.smin(b, u.i64(NRc), b.sub(N, jn)), s_bn
+                lpr = b.sdiv(b.add(kl, u.i64(per_line - 1)), u.i64(per_line))
+            else:                   # kl rows of b, each NR wide
+                rows, stride = kl, s_bk
+                lpr = u.i64(-(-NRc // per_line))
+            total = b.mul(rows, lpr)
+            l0 = b.sdiv(b.mul(total, part), parts)
+            l1 = b.sdiv(b.mul(total, b.add(part, u.i64(1))), parts)
+            with u.Loop(b, l0, l1, 1, "pf") as ln:
+                r, c = b.sdiv(ln, lpr), b.srem(ln, lpr)
+                u.prefetch(b, src, b.add(base, b.add(b.mul(r, stride),
+                                                     b.mul(c, u.i64(per_line)))), dt)
+    return make, ahead
+
+
 def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
     """The tile kernel of gemm_tile's argument block, MR = R rows x V vectors of accumulators,
     the k loop unrolled U times. Where its B panels come from is the hook's business (the
@@ -298,7 +397,9 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
     b_panel(b, args, N, K, NR) runs once at the kernel's entry and returns
     panel(bt, k0, kcl, j0) -> the address of the kcl x NR panel of batch bt for k0 .. k0+kcl-1
     and columns j0 .. j0+NR-1 in gemm_pack's layout (element [k - k0][j - j0], zeros past N),
-    emitted inside the loop over a tile's NR panels."""
+    emitted inside the loop over a tile's NR panels; or (panel, ahead) with
+    ahead(bt, k0, j0, col0, col1, part, parts) emitted before each MR panel's micro-kernel
+    run (part of parts), to prefetch a share of what the tile's next panel will read."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
     vt = _vt(W)
@@ -307,7 +408,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
     M, N, K, kc, MC, NC, nmb, nnb, sAp, accflag, mfast = (
         u.arg(b, args, i) for i in (4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
-    panel_of = b_panel(b, args, N, K, NRc)
+    hook = b_panel(b, args, N, K, NRc)
+    panel_of, ahead = hook if isinstance(hook, tuple) else (hook, None)
     accumulate = b.icmp_signed("!=", accflag, u.i64(0))
     accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
 
@@ -334,7 +436,10 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
                 bp = panel_of(bt, k0, kcl, j0)
                 nvalid = b.sub(N, j0)
                 cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
+                nparts = b.sdiv(b.add(b.sub(row1, row0), u.i64(R - 1)), u.i64(R))
                 with u.Loop(b, row0, row1, R, "i0") as i0:
+                    if ahead is not None:
+                        ahead(bt, k0, j0, col0, col1, b.sdiv(b.sub(i0, row0), u.i64(R)), nparts)
                     ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
                     mvalid = b.sub(M, i0)
                     coff = b.add(cbat, b.add(b.mul(i0, N), j0))

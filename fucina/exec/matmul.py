@@ -8,6 +8,9 @@ Paths (codegen/gemm.py), chosen from the shapes and strides alone:
   packed  — pack A and B into panels (one launch each, parallel over panels; a batch-broadcast
             operand is packed once), then one launch over a grid of (batch, M-block, N-block)
             tiles of C. The grid is a function of the problem size only.
+            "packed direct-b" when A is one M block (M <= DIRECT_MC_ROWS) and b has a unit
+            stride (along n, or along k: b = Wᵀ): only A is packed, the tile kernel reads b's
+            panels in place (gemm_tile_direct) — the same bits as packing both.
   rowvec  — few rows of C (M <= 4) with b contiguous along n, or tiny problems: no packing.
   dot     — few rows (or few columns) of C with a and b contiguous along k (x · Wᵀ for one
             token, a skinny output): dot products vectorised along k.
@@ -26,6 +29,11 @@ from .raw import RawTensor, numel
 
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8            # at most this many NR panels of B per tile
+DIRECT_B = True          # b read in place by gemm_tile_direct (no pack pass) when A makes at
+DIRECT_MAX_MB = 1        # most this many M blocks (each derives its b panels anew) of at most
+DIRECT_MC_ROWS = 288     # this many rows (MC x KC of A stays in L2); then an A of at most
+DIRECT_MAX_A = 1 << 20   # this many floats is re-read from cache per N block, and N blocks get
+DIRECT_MIN_CHUNKS = 8    # fewer panels until there are this many (thread balance); else two
 PACK_CHUNK = 1 << 17     # floats packed per chunk (one KC block of a group of panels)
 SMALL_CHUNK = 1 << 19    # multiply-adds per chunk of the direct kernels (a few µs of work)
 SMALL_M = 4              # at most this many rows of C go the direct way (rowvec / dot)
@@ -342,22 +350,45 @@ def blocks(n_panels, max_per):
 
 
 def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
-    plan.kind = "packed"
     MR, NR = g.mr(), g.nr()
     Mp = -(-M // MR) * MR
     Np = -(-N // NR) * NR
     a_step, npa, asz = pack_step(A, "f32", MR, M, K, sa[0], sa[1], bs, ast, nbatch, 0)
     asz = -(-asz // 16) * 16
-    b_step, npb, bsz = pack_step(B, bdt, NR, N, K, sb[1], sb[0], bs, bst, nbatch, asz * 4)
-    plan.steps += [a_step, b_step]
-    plan.scratch = asz + bsz
-    MC = blocks(Mp // MR, MC_PANELS) * MR
-    NC = blocks(Np // NR, NC_PANELS) * NR
-    nmb, nnb = -(-M // MC), -(-N // NC)
+    s_bk, s_bn = sb
+    bmode = "wvec" if s_bn == 1 or N == 1 else "kvec" if s_bk == 1 or K == 1 else "any"
+    # b read in place (no pack pass) when A is one M block: every panel of b is then read
+    # once, straight from the operand, and A once per N block
+    MCd = blocks(Mp // MR, max(1, DIRECT_MC_ROWS // MR)) * MR
+    direct = (DIRECT_B and bmode != "any" and -(-M // MCd) <= DIRECT_MAX_MB
+              and (nbatch == 1 or bs[:2] == (1, 1)))
+    MC = MCd if direct else blocks(Mp // MR, MC_PANELS) * MR
+    nmb = -(-M // MC)
+    if direct:
+        plan.kind = "packed direct-b"
+        plan.steps.append(a_step)
+        plan.scratch = asz
+        panels = Np // NR
+        if MC * K <= DIRECT_MAX_A:      # A re-read from cache: N blocks enough to balance
+            NC = blocks(panels, min(NC_PANELS, max(1, panels // DIRECT_MIN_CHUNKS))) * NR
+        else:                           # A from memory: two N blocks (one per thread of two)
+            NC = blocks(panels, -(-panels // 2)) * NR
+        b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)
+        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL))
+        extra = (s_bk, s_bn)
+    else:
+        plan.kind = "packed"
+        b_step, npb, bsz = pack_step(B, bdt, NR, N, K, s_bn, s_bk, bs, bst, nbatch, asz * 4)
+        plan.steps += [a_step, b_step]
+        plan.scratch = asz + bsz
+        NC = blocks(Np // NR, NC_PANELS) * NR
+        b_ptr, b_bat = (S, asz * 4), (0 if npb == 1 else Np * K)
+        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
+        extra = ()
+    nnb = -(-N // NC)
     if acc and K > g.KC:
         plan.partial = nbatch * M * N
-    addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
     plan.steps.append((addr, nbatch * nmb * nnb, nbatch * M * N * K,
-                       ((S, 0), (S, asz * 4), (C, 0), (P if plan.partial else C, 0)),
+                       ((S, 0), b_ptr, (C, 0), (P if plan.partial else C, 0)),
                        (M, N, K, g.KC, MC, NC, nmb, nnb, 0 if npa == 1 else Mp * K,
-                        0 if npb == 1 else Np * K, int(acc), int(N > M))))
+                        b_bat, int(acc), int(N > M), *extra)))
