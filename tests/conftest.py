@@ -77,3 +77,20 @@ def state_bytes(opt) -> bytes:
 
 def load_state_bytes(opt, data: bytes):
     opt.load_state(io.BytesIO(data))
+
+
+def assert_cold_equals_warm(forget, run):
+    """run() with its kernels compiled (after forget() dropped them from memory) and then
+    loaded from the disk cache (after forget() again) gives the same bits."""
+    from fucina.codegen import kernels
+    forget()
+    n0 = kernels.stats.compiled
+    cold = run()
+    assert kernels.stats.compiled > n0
+    forget()
+    l0, c0 = kernels.stats.loaded, kernels.stats.compiled
+    warm = run()
+    assert kernels.stats.compiled == c0 and kernels.stats.loaded > l0
+    for x, y in zip(cold, warm):
+        assert_bitwise(x, y)
+

@@ -11,7 +11,7 @@ from fucina.codegen import kernels
 from fucina.exec import matmul as mm
 from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from fucina.exec.matmul import gemm
-from conftest import assert_bitwise
+from conftest import assert_bitwise, assert_cold_equals_warm
 
 SHAPES = [(1, 1, 1), (37, 129, 65), (3, 4096, 17), (2, 300, 50), (1, 1000, 37), (5, 7, 3),
           (64, 64, 64), (256, 1024, 8), (40, 20, 200), (300, 9, 130), (37, 600, 500),
@@ -461,16 +461,7 @@ def test_cold_compile_equals_warm_load(tmp_path, monkeypatch):
             return [gemm(ctx, ctx.from_numpy(A), _operand(ctx, B, tb)).to_numpy()
                     for A, B, tb in cases]
 
-    forget()
-    n0 = kernels.stats.compiled
-    cold = run()
-    assert kernels.stats.compiled > n0
-    forget()
-    l0, c0 = kernels.stats.loaded, kernels.stats.compiled
-    warm = run()
-    assert kernels.stats.compiled == c0 and kernels.stats.loaded > l0
-    for x, y in zip(cold, warm):
-        assert_bitwise(x, y)
+    assert_cold_equals_warm(forget, run)
 
 
 def test_bad_inputs(ctx):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fucina as fu
-from conftest import assert_bitwise, feed_grad
+from conftest import assert_bitwise, assert_cold_equals_warm, feed_grad
 from fucina.codegen import gemm_bf16 as cg
 from fucina.codegen import kernels
 from fucina.exec import matmul_bf16 as mb
@@ -249,16 +249,7 @@ def test_cold_compile_equals_warm_load(tmp_path, monkeypatch):
             return [gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B, tb, "bf16")).to_numpy()
                     for tb in (False, True)]
 
-    forget()
-    n0 = kernels.stats.compiled
-    cold = run()
-    assert kernels.stats.compiled > n0
-    forget()
-    l0, c0 = kernels.stats.loaded, kernels.stats.compiled
-    warm = run()
-    assert kernels.stats.compiled == c0 and kernels.stats.loaded > l0
-    for x, y in zip(cold, warm):
-        assert_bitwise(x, y)
+    assert_cold_equals_warm(forget, run)
 
 
 def test_bad_inputs(ctx1):
