@@ -181,6 +181,8 @@ def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
         load(path, ctx, kv_dtype="bf16")
     with pytest.raises(fu.InvalidArgumentType, match="adapters: expected a directory path"):
         load(path, ctx, 512)      # the context length is not load's third argument
+    with pytest.raises(fu.InvalidArgumentType, match="alpha= is the adapters' scale"):
+        load(path, ctx, alpha=8.0)
 
 
 def test_replay_with_adapters_on_the_fly(models, tmp_path):

@@ -430,7 +430,8 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
                                   f"save or PEFT adapter directory) or None, got "
                                   f"{type(adapters).__name__} {adapters!r}")
     if alpha is not None and adapters is None:
-        raise TypeError("fu.llm.load: alpha= is the adapters' scale; expected adapters= with it")
+        raise InvalidArgumentType("fu.llm.load: alpha= is the adapters' scale; expected "
+                                  "adapters= with it")
     f = gguf.read(path, ctx) if not isinstance(path, gguf.GGUFFile) else path
     tok = Tokenizer.from_gguf(f)
     template = ChatTemplate.from_gguf(f, tok, think_off=think_off)
