@@ -124,9 +124,10 @@ def test_for_matvec_gives_the_same_bits(ctx1, ctx2, fmt, N, K):
     for c in (ctx1, ctx2):
         q, wd = qweight(c, N, K, fmt)
         qi = q.for_matvec()
-        if not interleaves(q._raw):
-            pytest.skip("the interleaved gemv needs an AVX-512 host")
-        assert isinstance(qi._raw, GemvBlockRaw) and qi.for_matvec() is qi
+        if interleaves(q._raw):
+            assert isinstance(qi._raw, GemvBlockRaw) and qi.for_matvec() is qi
+        else:   # a host without AVX-512 has no interleaved gemv: the weight comes back as is
+            assert qi is q
         assert qi.tags == q.tags and qi.shape == q.shape
         for M in (1, 3, 6, 20):
             xa = rnd(M, K)

@@ -111,30 +111,22 @@ def main(argv=None):
         peak = _peak(threads)
         for path_, label_, targets, seq in cases:
             r = run_case(path_, label_, targets, seq, threads, ns.steps, not ns.no_hf)
-            hf = r.get("hf")
-            gb, ga = r["flop"] / r["before"] / 1e9, r["flop"] / r["after"] / 1e9
-            print(f"| {label_.split(' (')[0]} | {r['targets']} | {seq} | {threads} | "
-                  f"{r['before']:.3f} s | {r['after']:.3f} s | {r['after'] / r['before']:.3f} | "
-                  + (f"{hf:.3f} s | {hf / r['before']:.2f}× | {hf / r['after']:.2f}× | "
-                     if hf else "— | — | — | ")
-                  + f"{gb:.0f} → {ga:.0f} | {100 * gb * 1e9 / peak:.0f} % → "
-                    f"{100 * ga * 1e9 / peak:.0f} % of {peak / 1e9:.0f} |", flush=True)
-            hm = r.get("hf min")
-            print(f"|  (fastest step) | | | {threads} | {r['before min']:.3f} s | "
-                  f"{r['after min']:.3f} s | {r['after min'] / r['before min']:.3f} | "
-                  + (f"{hm:.3f} s | {hm / r['before min']:.2f}× | {hm / r['after min']:.2f}× | "
-                     if hm else "— | — | — | ")
-                  + f"{r['flop'] / r['before min'] / 1e9:.0f} → {r['flop'] / r['after min'] / 1e9:.0f}"
-                    f" | {100 * r['flop'] / r['before min'] / peak:.0f} % → "
-                    f"{100 * r['flop'] / r['after min'] / peak:.0f} % |", flush=True)
+            _row(f"{label_.split(' (')[0]} | {r['targets']} | {seq}", threads, r, "",
+                 f" of {peak / 1e9:.0f}", peak)
+            _row(" (fastest step) | |", threads, r, " min", "", peak)
             if threads == 1:    # the caller's CPU clock: other processes' time slices left out
-                hc = r.get("hf cpu")
-                print(f"|  (CPU clock) | | | 1 | {r['before cpu']:.3f} s | {r['after cpu']:.3f} s | "
-                      f"{r['after cpu'] / r['before cpu']:.3f} | "
-                      + (f"{hc:.3f} s | {hc / r['before cpu']:.2f}× | {hc / r['after cpu']:.2f}× | "
-                         if hc else "— | — | — | ")
-                      + f"{r['flop'] / r['before cpu'] / 1e9:.0f} → "
-                        f"{r['flop'] / r['after cpu'] / 1e9:.0f} | |", flush=True)
+                _row(" (CPU clock) | |", 1, r, " cpu", "", None)
+
+def _row(label, threads, r, kind, peak_note, peak):
+    """One table row of run_case's result `r` for the timing `kind` ("" median, " min",
+    " cpu"): before, after, transformers + peft when measured, GFLOP/s and % of `peak`."""
+    b, a, hf = r["before" + kind], r["after" + kind], r.get("hf" + kind)
+    gb, ga = r["flop"] / b / 1e9, r["flop"] / a / 1e9
+    pct = (f"{100 * gb * 1e9 / peak:.0f} % → {100 * ga * 1e9 / peak:.0f} %{peak_note}"
+           if peak else "")
+    print(f"| {label} | {threads} | {b:.3f} s | {a:.3f} s | {a / b:.3f} | "
+          + (f"{hf:.3f} s | {hf / b:.2f}× | {hf / a:.2f}× | " if hf else "— | — | — | ")
+          + f"{gb:.0f} → {ga:.0f} | {pct} |", flush=True)
 
 
 if __name__ == "__main__":
