@@ -66,6 +66,17 @@ def _buffer(b, floats):
     return p
 
 
+def _table(b, codes, scale, offset=None):
+    """The values a block's codes decode to, codes · scale + offset, as its decoder computes
+    them (a product rounded, then a sum rounded) but in one FMA: a code has at most 5 bits
+    and the scale at most 17 (an f16 d, times q4_k's 6-bit sub-scale), so the product is
+    exact in f32 and the FMA's one rounding is the sum's. The FMA runs on the two pipes the
+    multiply would; the add it saves shared a pipe with the table permutes (Zen 5)."""
+    if offset is None:
+        return b.fmul(codes, scale)
+    return u.intrinsic(b, "llvm.fma", codes.type, [codes, scale, offset])
+
+
 # ---------------------------------------------------------------------------------------------
 # few rows of x: decode each block of w once and use it against every row
 
@@ -89,7 +100,7 @@ def _lut_q4_k(b, src):
             qs.append(b.zext(v, i16))
         for p in range(2):
             dl, ml = (b.extract_element(v, u.i64(2 * c + p)) for v in (dls, mls))
-            table = b.fsub(b.fmul(iota, u.splat(b, dl, 16)), u.splat(b, ml, 16))
+            table = _table(b, iota, u.splat(b, dl, 16), b.fneg(u.splat(b, ml, 16)))
             for q in qs:
                 idx = q if p == 0 else b.lshr(q, u.const(i16, 4))
                 out.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16, [table, idx],
@@ -128,7 +139,7 @@ def _lut_block(b, src, fmt, dm=None):
         table = b.fmul(ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
         qoff = 2
     else:
-        table = b.fadd(b.fmul(ir.Constant(f16, [float(q) for q in range(16)]), d), m)
+        table = _table(b, ir.Constant(f16, [float(q) for q in range(16)]), d, m)
         qoff = 4
     qs = b.load(b.gep(src, [u.i64(qoff)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
     qs.align = 1
@@ -152,8 +163,8 @@ def _lut_q5(b, src, fmt, dm):
         if fmt == "q5_0":
             tables.append(b.fmul(ir.Constant(f16, [float(16 * t + q - 16) for q in range(16)]), d))
         else:
-            tables.append(b.fadd(b.fmul(ir.Constant(f16, [float(16 * t + q) for q in range(16)]),
-                                        d), u.splat(b, dm[1], 16)))
+            tables.append(_table(b, ir.Constant(f16, [float(16 * t + q) for q in range(16)]),
+                                 d, u.splat(b, dm[1], 16)))
     qh_off, qs_off = (2, 6) if fmt == "q5_0" else (4, 8)
     qh = b.load(b.gep(src, [u.i64(qh_off)], source_etype=u.I8), typ=u.I32)
     qh.align = 1
@@ -269,10 +280,9 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use):
                 nib.align = 1
                 for j in range(GROUP):
                     d = u.splat(b, b.load(slot(c, g, j), typ=u.F32), 16)
-                    table = b.fmul(iota, d)
-                    if fmt == "q4_1":
-                        table = b.fadd(table, u.splat(b, b.load(slot(c, g, GROUP + j),
-                                                                 typ=u.F32), 16))
+                    m = None if fmt == "q4_0" else u.splat(b, b.load(slot(c, g, GROUP + j),
+                                                                      typ=u.F32), 16)
+                    table = _table(b, iota, d, m)
                     halves = []
                     for h in range(2):
                         sh = 8 * j + 4 * h
