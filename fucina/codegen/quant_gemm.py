@@ -145,7 +145,7 @@ def _lut_block(b, src, fmt, dm=None):
     qs.align = 1
     q = b.zext(qs, i16)
     out = []
-    for idx in (b.and_(q, u.const(i16, 15)), b.lshr(q, u.const(i16, 4))):
+    for idx in (q, b.lshr(q, u.const(i16, 4))):   # the permute reads an index's low 4 bits
         out.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16, [table, idx], types=[]))
     return out
 
@@ -290,10 +290,23 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use):
                         halves.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16,
                                                   [table, idx], types=[]))
                     use(c, b.add(b.mul(g, u.i64(GROUP)), u.i64(j)), halves)
-    with u.Loop(b, b.mul(groups, u.i64(GROUP)), nblk, 1, "kbt") as kb:   # the row's tail
+    # the row's last nblk % GROUP blocks, as stored: their scales converted first too
+    tail = b.mul(groups, u.i64(GROUP))
+
+    def tslot(c, kb, i):
+        at = b.add(u.i64(len(rows) * SEG_GROUPS * 8 + c * GROUP * 2),
+                   b.add(b.mul(b.sub(kb, tail), u.i64(2)), u.i64(i)))
+        return b.gep(sbuf, [at], source_etype=u.F32)
+
+    with u.Loop(b, tail, nblk, 1, "kbts") as kb:
         for c in range(len(rows)):
             src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
-            use(c, kb, _lut_block(b, src, fmt))
+            b.store(b.fpext(_load_dm(b, src), ir.VectorType(u.F32, 2)), tslot(c, kb, 0)).align = 4
+    with u.Loop(b, tail, nblk, 1, "kbt") as kb:
+        for c in range(len(rows)):
+            src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
+            use(c, kb, _lut_block(b, src, fmt, [b.load(tslot(c, kb, i), typ=u.F32)
+                                                for i in range(2)]))
 
 
 @register
@@ -339,7 +352,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     staged = (not inter and key.staged and key.fmt in STAGED and fits
               and (lut or key.fmt not in LUT_FORMATS))
     sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
-            _buffer(b, CN * SEG_GROUPS * 8) if inter else None)
+            _buffer(b, CN * (SEG_GROUPS * 8 + GROUP * 2)) if inter else None)
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
