@@ -2,7 +2,7 @@
 time of its pack and tile launches, GFLOP/s) and the time outside GEMM (issue 18).
 
     PYTHONPATH=. python -m tools.gemm_profile [--threads 1] [--seq 256] [--targets q,v]
-        [--model PATH] [--steps 2] [--cpu] [--set DIRECT_B=0 ...]
+        [--model PATH] [--steps 2] [--cpu] [--compute bf16] [--set DIRECT_B=0 ...]
 
 Every ctx.launch is timed (the launches are synchronous); matmul.gemm is wrapped so that the
 launches it issues are charged to it. GEMMs of the same (M, K, N, orientation, path) are
@@ -23,13 +23,15 @@ def _family_of():
     return {addr: key for key, addr in kernels._memo.items()}
 
 
-def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.perf_counter) -> dict:
+def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.perf_counter,
+            compute: str = "f32") -> dict:
     import fucina as fu
     from fucina.exec import matmul as mm
     from fucina.llm.decoder import Model, Trainer
 
     ctx = fu.ExecContext(threads=threads)
-    model = Model.from_gguf(ctx, path, widen_frozen=True)
+    model = (Model.from_gguf(ctx, path, widen_frozen=True) if compute == "f32" else
+             Model.from_gguf(ctx, path, compute=compute))
     tr = Trainer(model, targets, fu.lora.LoraConfig(8, 16), 42)
     opt = fu.optim.AdamW(lr=1e-3, weight_decay=0.0)
     tr.register_all_params(opt)
@@ -171,6 +173,9 @@ def main(argv=None):
     p.add_argument("--targets", default="q,v")
     p.add_argument("--model", default=None)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--compute", default="f32", choices=("f32", "bf16"),
+                   help="bf16: frozen matrices held as bf16 (Model.from_gguf compute=); their "
+                        "GEMMs show as launches of the gemm_bf16 families outside GEMM")
     p.add_argument("--cpu", action="store_true",
                    help="time with the thread's CPU clock (1 thread on a busy machine: other "
                         "processes' time slices are not counted)")
@@ -192,7 +197,7 @@ def main(argv=None):
         raise SystemExit("gemm_profile: --cpu needs --threads 1 (the team's threads are not "
                          "counted)")
     print(report(profile(path, tuple(ns.targets.split(",")), ns.threads, ns.seq, ns.steps,
-                         clock)))
+                         clock, ns.compute)))
 
 
 if __name__ == "__main__":
