@@ -97,21 +97,23 @@ def test_decode_step_layouts(ctx1):
 def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
     """The gemv's 16-value table decode of q4_0 / q4_1 / q4_k, its 32-value tables of q5_0 /
     q5_1 and its staged scales (q4_0 / q4_1 / q5_0 / q5_1 / q8_0) multiply exactly the
-    weights the block decoders give: with and without them the kernel agrees bit for bit.
-    K = 2400 spans several staging segments."""
+    weights the block decoders give: with and without them the kernel agrees bit for bit, and
+    so does the staged kernel that prefetches block by block (spread, long rows). K = 2400
+    spans several staging segments."""
     from fucina.codegen import kernels
     from fucina.codegen.quant_gemm import QuantGemvKey
     N, K = 70, 768 if fmt == "q4_k" else 2400
     q, _ = qweight(ctx1, N, K, fmt)
     x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
     outs = []
-    for table, staged in ((True, True), (True, False), (False, False)):
+    for table, staged, spread in ((True, True, False), (True, False, False),
+                                  (False, False, False), (True, True, True)):
         y = ctx1.tensor(np.zeros((rows, N), np.float32), ("s", "o"))._raw
-        ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, 2, table, staged)), 1, 0, x.addr,
-                    q._raw.addr, y.addr, N, K, K, N)
+        ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, 2, table, staged, spread=spread)), 1,
+                    0, x.addr, q._raw.addr, y.addr, N, K, K, N)
         outs.append(fu.Tensor(y, ("s", "o")).numpy())
-    assert_bitwise(outs[0], outs[1])
-    assert_bitwise(outs[0], outs[2])
+    for other in outs[1:]:
+        assert_bitwise(outs[0], other)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])

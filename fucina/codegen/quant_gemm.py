@@ -210,7 +210,11 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
     blocks and their sums keep their order: the bits are the unstaged kernel's."""
     _, nbytes = FORMATS[key.fmt]
     pair = ir.VectorType(u.F32, 2)
-    _prefetch_rows(b, w, rows, row_bytes, ahead)
+    if key.spread:   # each row's first line now, the rest block by block below
+        for r in rows:
+            u.prefetch(b, _block_ptr(b, w, r, row_bytes, u.i64(0), nbytes), ahead, "bool")
+    else:
+        _prefetch_rows(b, w, rows, row_bytes, ahead)
     with u.Loop(b, u.i64(0), nblk, SEGMENT, "seg") as s0:
         s1 = u.smin(b, b.add(s0, u.i64(SEGMENT)), nblk)
 
@@ -221,6 +225,8 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
         with u.Loop(b, s0, s1, 1, "kbs") as kb:
             for c in range(len(rows)):
                 src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
+                if key.spread:   # the line holding the block's last byte, ahead
+                    u.prefetch(b, src, b.add(ahead, u.i64(nbytes - 1)), "bool")
                 b.store(b.fpext(_load_dm(b, src), pair), slot(c, kb, 0)).align = 8
         with u.Loop(b, s0, s1, 1, "kb") as kb:
             for c in range(len(rows)):
@@ -339,7 +345,7 @@ class QuantGemvKey(KernelKey):
     table: bool = True   # q4_0 / q4_1 / q4_k decoded through 16-value tables (_lut_block)
     staged: bool = True  # scales converted per segment ahead (q4_0 / q4_1 with tables, q8_0)
     interleaved: bool = False   # w in the interleaved layout (q4_0 / q4_1; _interleaved_blocks)
-    spread: bool = False        # interleaved: prefetch group by group (long rows)
+    spread: bool = False        # prefetch as the item goes, not in one burst (long rows)
 
     def ir(self, symbol: str) -> str:
         return str(_build_gemv(self, symbol))
