@@ -416,9 +416,10 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
     ids equal transformers'); q4_0 / q4_1 matrices are also held in the decode gemv's
     interleaved layout (Model.for_matvec: their bytes twice, ~10 % faster decode at one
     thread, the same bits); "q8": decode steps multiply q4_0/q4_1/q8_0 weights by the
-    activation row rounded to 8 bits per group of 4 values with integer dots (Tensor.dot_q8) —
-    ~1.3x faster at one thread, logits within ~0.5 % of the exact ones, so a greedy reply
-    can part from the exact one after a near tie."""
+    activation row rounded to 8 bits per group of 4 values with integer dots (Tensor.dot_q8),
+    logits within ~0.5 % of the exact ones, so a greedy reply can part from the exact one
+    after a near tie. On Zen 5 the exact path is now the faster one too (SmolLM2 Q4_1: q8
+    ~10 % slower at one thread, ~6 % at two); measure on your CPU before choosing q8."""
     if kv_dtype not in KV_DTYPES:
         raise InvalidArgumentType(f"fu.llm.load: kv_dtype: expected one of {KV_DTYPES}, got "
                                   f"{kv_dtype!r}")
