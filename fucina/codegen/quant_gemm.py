@@ -207,7 +207,9 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
     with their scales broadcast from that buffer (a broadcast from memory folds into the
     table's multiply; from a register it is one more vector instruction, and the block loop
     is bound by vector instructions: 5-10 % faster at the SmolLM2 shapes, 1 thread). The
-    blocks and their sums keep their order: the bits are the unstaged kernel's."""
+    blocks and their sums keep their order: the bits are the unstaged kernel's. Rows ahead
+    are prefetched as a burst at the item's start, or with key.spread (long rows) a line per
+    block as the scales are staged (see _interleaved_blocks)."""
     _, nbytes = FORMATS[key.fmt]
     pair = ir.VectorType(u.F32, 2)
     if key.spread:   # each row's first line now, the rest block by block below
@@ -236,7 +238,7 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
 INTERLEAVED = ("q4_0", "q4_1")
 GROUP = 4               # blocks per interleaved group
 SEG_GROUPS = 16         # groups whose scales an interleaved gemv converts ahead, per row
-SPREAD_BLOCKS = 24      # rows of at least this many blocks prefetch group by group (spread)
+SPREAD_BLOCKS = 24      # rows of at least this many blocks prefetch as the item goes (spread)
 
 
 def interleaved_scale_bytes(fmt: str) -> int:
