@@ -387,8 +387,9 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
 
         def block(c, kb, dm=None):   # decode a block of row c and use it at once (registers)
             src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
-            if dm is None:
-                u.prefetch(b, src, ahead, "bool")
+            if dm is None:   # every line of the block ahead (a K-quant block spans 2-4 lines)
+                for off in range(0, nbytes, 64):
+                    u.prefetch(b, src, b.add(ahead, u.i64(off)), "bool")
             if lut or dm is not None:
                 decoded = _lut_block(b, src, key.fmt, dm)
             else:
