@@ -62,8 +62,10 @@ def _hf(path):
 
 
 def _llama_cpp(path, threads):
-    """llama.cpp's run(ids) -> (prefill tok/s, decode tok/s), or None without llama_cpp."""
+    """(llama.cpp's run(ids) -> (prefill tok/s, decode tok/s), llama-cpp-python's version),
+    or None without llama_cpp."""
     try:
+        import llama_cpp
         from llama_cpp import Llama
     except ImportError:
         return None
@@ -79,7 +81,7 @@ def _llama_cpp(path, threads):
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         t2 = time.perf_counter()
         return len(ids) / (t1 - t0), (NEW - 1) / (t2 - t1)
-    return run
+    return run, llama_cpp.__version__
 
 
 def files() -> list[tuple[str, str, bool]]:
@@ -124,7 +126,7 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
                 hf(ids)
         except ImportError:
             hf = None
-    lcpp = _llama_cpp(path, threads)
+    lcpp, lcpp_version = _llama_cpp(path, threads) or (None, None)
     if lcpp is not None:
         lcpp(ids)
     ours, theirs, q8, ggml = [], [], [], []
@@ -141,6 +143,7 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
     ctx.close()
     fp, fd = (float(np.median([o[k] for o in ours])) for k in (0, 1))
     out = []
+    prompt = f"({len(ids)}-token chat prompt, {NEW} new tokens, greedy)"
     cases = [(0, "prefill", 1.5, fp), (1, "decode", 10.0, fd)]
     if with_q8:   # opt-in and not exact: shown beside the serving path, not judged
         cases.append((1, "decode with matvec=q8", None, float(np.median(q8))))
@@ -148,8 +151,8 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
         h_rate = float(np.median([t[k] for t in theirs])) if theirs else None
         judged = h_rate is not None and target is not None
         # the table's columns hold seconds per token (ratio = transformers / Fucina time)
-        out.append(row(GROUP, f"{label}, {what} ({len(ids)}-token chat prompt, {NEW} new "
-                       f"tokens, greedy) vs transformers generate (f32)", threads, 1.0 / f_rate,
+        out.append(row(GROUP, f"{label}, {what} {prompt} vs transformers generate (f32)",
+                       threads, 1.0 / f_rate,
                        1.0 / h_rate if h_rate else None,
                        target=f"≥ {target:g}× transformers" if judged else "",
                        met=(f_rate / h_rate >= target) if judged else None,
@@ -158,12 +161,10 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
                                                        "; opt-in, not the exact product: "
                                                        "no target")))
     if ggml:
-        import llama_cpp
         for k, what, f_rate in ((0, "prefill", fp), (1, "decode", fd)):
             l_rate = float(np.median([t[k] for t in ggml]))
-            out.append(row(GROUP, f"{label}, {what} ({len(ids)}-token chat prompt, {NEW} new "
-                           f"tokens, greedy) vs llama.cpp (llama-cpp-python "
-                           f"{llama_cpp.__version__}, built here from source)", threads,
+            out.append(row(GROUP, f"{label}, {what} {prompt} vs llama.cpp (llama-cpp-python "
+                           f"{lcpp_version}, built here from source)", threads,
                            1.0 / f_rate, 1.0 / l_rate,
                            note=f"{f_rate:.1f} tok/s vs {l_rate:.1f} tok/s; no target: "
                                 f"llama.cpp for reference (torch column = llama.cpp)"))

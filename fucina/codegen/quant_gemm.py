@@ -48,6 +48,7 @@ from .rows import fadd
 X_REGS = 8   # vector registers the gemv may hold x in
 SPLIT = 2    # gemv accumulators per output: even and odd vectors of k
 PREFETCH_ITEMS = 4   # the gemv prefetches the rows of w this many items ahead
+SPREAD_BLOCKS = 24   # rows of at least this many blocks prefetch as the item goes (spread)
 BIG_BLOCK = 128      # bytes from which a decoded block's every line is prefetched, not its first
                      # (streamed q6_k 2-2.7x, q4_k / q5_k ~20 % faster; below it the extra
                      # prefetches cost more in cache than they win from memory)
@@ -139,7 +140,7 @@ def _lut_block(b, src, fmt, dm=None):
         pair = b.fpext(_load_dm(b, src), ir.VectorType(u.F32, 2))
         d, m = (b.shuffle_vector(pair, pair, ir.Constant(i16, [k] * 16)) for k in (0, 1))
     if fmt == "q4_0":
-        table = b.fmul(ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
+        table = _table(b, ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
         qoff = 2
     else:
         table = _table(b, ir.Constant(f16, [float(q) for q in range(16)]), d, m)
@@ -164,7 +165,8 @@ def _lut_q5(b, src, fmt, dm):
     tables = []
     for t in range(2):
         if fmt == "q5_0":
-            tables.append(b.fmul(ir.Constant(f16, [float(16 * t + q - 16) for q in range(16)]), d))
+            tables.append(_table(b, ir.Constant(f16, [float(16 * t + q - 16) for q in range(16)]),
+                                 d))
         else:
             tables.append(_table(b, ir.Constant(f16, [float(16 * t + q) for q in range(16)]),
                                  d, u.splat(b, dm[1], 16)))
@@ -192,6 +194,12 @@ def _load_dm(b, src):
     return v
 
 
+def _prefetch_ahead(b, src, ahead, offsets):
+    """Prefetch the lines holding src[ahead + off] for each byte offset off."""
+    for off in offsets:
+        u.prefetch(b, src, b.add(ahead, u.i64(off)), "bool")
+
+
 def _prefetch_rows(b, w, rows, row_bytes, ahead):
     """Prefetch, line by line, the item's rows of w (consecutive rows, one contiguous span)
     `ahead` bytes on: one prefetch per line, none lost in the middle of a block."""
@@ -205,24 +213,34 @@ SEGMENT = 64   # blocks of k whose scales a staged gemv converts ahead, per row 
 
 
 def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
-    """The blocks of k in segments of SEGMENT: first every block's f16 scales of the segment,
-    for each row of w, converted to f32 into an L1 buffer, then the segment's blocks decoded
-    with their scales broadcast from that buffer (a broadcast from memory folds into the
-    table's multiply; from a register it is one more vector instruction, and the block loop
-    is bound by vector instructions: 5-10 % faster at the SmolLM2 shapes, 1 thread). The
-    blocks and their sums keep their order: the bits are the unstaged kernel's. Rows ahead
-    are prefetched as a burst at the item's start, or with key.spread (long rows) a line per
-    block as the scales are staged (see _interleaved_blocks)."""
+    """The blocks of k in segments of SEGMENT (_staged_range). Rows ahead are prefetched as
+    a burst at the item's start, or with key.spread (long rows) a line per block as the
+    scales are staged (see _interleaved_blocks)."""
     _, nbytes = FORMATS[key.fmt]
-    pair = ir.VectorType(u.F32, 2)
     if key.spread:   # each row's first line now, the rest block by block below
         for r in rows:
-            u.prefetch(b, _block_ptr(b, w, r, row_bytes, u.i64(0), nbytes), ahead, "bool")
+            _prefetch_ahead(b, _block_ptr(b, w, r, row_bytes, u.i64(0), nbytes), ahead, (0,))
     else:
         _prefetch_rows(b, w, rows, row_bytes, ahead)
-    with u.Loop(b, u.i64(0), nblk, SEGMENT, "seg") as s0:
-        s1 = u.smin(b, b.add(s0, u.i64(SEGMENT)), nblk)
+    prefetch = ((lambda src: _prefetch_ahead(b, src, ahead, (nbytes - 1,))) if key.spread
+                else None)
+    _staged_range(b, key, w, rows, row_bytes, u.i64(0), nblk, sbuf, block, prefetch)
 
+
+def _staged_range(b, key, w, rows, row_bytes, k0, k1, sbuf, block, prefetch=None,
+                  short=False):
+    """Blocks k0 .. k1 − 1 of k in segments of SEGMENT (short: k1 − k0 < SEGMENT, one
+    segment, no loop over them): first every block's f16 scales of the segment, for each
+    row of w, converted to f32 into an L1 buffer (sbuf, 2·SEGMENT floats a row), then the
+    segment's blocks decoded with their scales broadcast from that buffer (a broadcast from
+    memory folds into the table's multiply; from a register it is one more vector
+    instruction, and the block loop is bound by vector instructions: 5-10 % faster at the
+    SmolLM2 shapes, 1 thread). The blocks and their sums keep their order: the bits are the
+    unstaged kernel's. prefetch(src), when given, runs for each block as it is staged."""
+    _, nbytes = FORMATS[key.fmt]
+    pair = ir.VectorType(u.F32, 2)
+
+    def segment(s0, s1):
         def slot(c, kb, i):   # (d, m) of block kb of row c: floats 2·(c·SEGMENT + kb − s0) + i
             at = b.add(u.i64(c * SEGMENT), b.sub(kb, s0))
             return b.gep(sbuf, [b.add(b.mul(at, u.i64(2)), u.i64(i))], source_etype=u.F32)
@@ -230,18 +248,23 @@ def _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block):
         with u.Loop(b, s0, s1, 1, "kbs") as kb:
             for c in range(len(rows)):
                 src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
-                if key.spread:   # the line holding the block's last byte, ahead
-                    u.prefetch(b, src, b.add(ahead, u.i64(nbytes - 1)), "bool")
+                if prefetch is not None:
+                    prefetch(src)
                 b.store(b.fpext(_load_dm(b, src), pair), slot(c, kb, 0)).align = 8
         with u.Loop(b, s0, s1, 1, "kb") as kb:
             for c in range(len(rows)):
                 block(c, kb, [b.load(slot(c, kb, i), typ=u.F32) for i in range(2)])
 
+    if short:
+        segment(k0, k1)
+        return
+    with u.Loop(b, k0, k1, SEGMENT, "seg") as s0:
+        segment(s0, u.smin(b, b.add(s0, u.i64(SEGMENT)), k1))
+
 
 INTERLEAVED = ("q4_0", "q4_1")
 GROUP = 4               # blocks per interleaved group
 SEG_GROUPS = 16         # groups whose scales an interleaved gemv converts ahead, per row
-SPREAD_BLOCKS = 24      # rows of at least this many blocks prefetch as the item goes (spread)
 
 
 def interleaved_scale_bytes(fmt: str) -> int:
@@ -249,7 +272,7 @@ def interleaved_scale_bytes(fmt: str) -> int:
     return GROUP * 2 * (2 if fmt == "q4_1" else 1)
 
 
-def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use):
+def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block):
     """A row of w in the gemv's interleaved layout (fucina.exec.quant.interleave): groups of
     GROUP blocks of k, each [the 4 d's (f16)][the 4 m's, q4_1][64 bytes: the byte j of block
     g's nibbles at byte g of dword j], the same bytes as the 4 blocks, then the row's last
@@ -277,10 +300,9 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use):
         return b.gep(w, [b.add(b.add(b.mul(rows[c], row_bytes), b.mul(g, u.i64(gbytes))),
                                u.i64(off))], source_etype=u.I8)
 
-    def spread(src, nbytes):   # prefetch the first and last line of nbytes at src, ahead
+    def spread(src, nbytes):   # the first and last line of nbytes at src, ahead
         if key.spread:
-            for off in (0, nbytes - 1):
-                u.prefetch(b, src, b.add(ahead, u.i64(off)), "bool")
+            _prefetch_ahead(b, src, ahead, (0, nbytes - 1))
 
     with u.Loop(b, u.i64(0), groups, SEG_GROUPS, "gseg") as g0:
         g1 = u.smin(b, b.add(g0, u.i64(SEG_GROUPS)), groups)
@@ -313,24 +335,10 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use):
                         halves.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16,
                                                   [table, idx], types=[]))
                     use(c, b.add(b.mul(g, u.i64(GROUP)), u.i64(j)), halves)
-    # the row's last nblk % GROUP blocks, as stored: their scales converted first too
-    tail = b.mul(groups, u.i64(GROUP))
-
-    def tslot(c, kb, i):
-        at = b.add(u.i64(len(rows) * SEG_GROUPS * 8 + c * GROUP * 2),
-                   b.add(b.mul(b.sub(kb, tail), u.i64(2)), u.i64(i)))
-        return b.gep(sbuf, [at], source_etype=u.F32)
-
-    with u.Loop(b, tail, nblk, 1, "kbts") as kb:
-        for c in range(len(rows)):
-            src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
-            spread(src, nbytes)
-            b.store(b.fpext(_load_dm(b, src), ir.VectorType(u.F32, 2)), tslot(c, kb, 0)).align = 4
-    with u.Loop(b, tail, nblk, 1, "kbt") as kb:
-        for c in range(len(rows)):
-            src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
-            use(c, kb, _lut_block(b, src, fmt, [b.load(tslot(c, kb, i), typ=u.F32)
-                                                for i in range(2)]))
+    # the row's last nblk % GROUP blocks, as stored: staged like a stored row's (block(...))
+    _staged_range(b, key, w, rows, row_bytes, b.mul(groups, u.i64(GROUP)), nblk,
+                  b.gep(sbuf, [u.i64(len(rows) * SEG_GROUPS * 8)], source_etype=u.F32), block,
+                  lambda src: spread(src, nbytes), short=True)
 
 
 @register
@@ -377,7 +385,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     staged = (not inter and key.staged and key.fmt in STAGED and fits
               and (lut or key.fmt not in LUT_FORMATS))
     sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
-            _buffer(b, CN * (SEG_GROUPS * 8 + GROUP * 2)) if inter else None)
+            _buffer(b, CN * (SEG_GROUPS * 8 + SEGMENT * 2)) if inter else None)
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
@@ -391,8 +399,8 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
         def block(c, kb, dm=None):   # decode a block of row c and use it at once (registers)
             src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
             if dm is None:   # the block ahead: every line of a large one (q4_k .. q6_k)
-                for off in range(0, nbytes, 64) if nbytes >= BIG_BLOCK else (0,):
-                    u.prefetch(b, src, b.add(ahead, u.i64(off)), "bool")
+                _prefetch_ahead(b, src, ahead, range(0, nbytes, 64) if nbytes >= BIG_BLOCK
+                                else (0,))
             if lut or dm is not None:
                 decoded = _lut_block(b, src, key.fmt, dm)
             else:
@@ -410,7 +418,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                     b.store(u.intrinsic(b, "llvm.fma", wv.type, [xv, wv, b.load(acc)]), acc)
 
         if inter:
-            _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use)
+            _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block)
         elif staged:
             _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block)
         elif RM * bs // W <= X_REGS:   # x's slice of a block fits in registers: loaded once per block
