@@ -415,6 +415,43 @@ def test_accumulate_and_out(shape, tb):
     assert np.abs(got - (C0 + _ref(A, B))).max() <= _tol(A, B, 1e-6 * np.abs(C0).max())
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["packed", "direct-b"])
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+def test_c_prefetch_keeps_the_bits(direct, tb, monkeypatch):
+    """The tile kernels that prefetch the next micro-tile's C lines (pf_c, chosen for a big C)
+    give the bits of those that do not: plain, into `out`, and accumulating (partial sums in
+    the scratch buffer), at 1 and 2 threads."""
+    rng = np.random.default_rng(11)
+    M, K, N = 45, 600, 230
+    A, B, C0 = _data(rng, M, K), _data(rng, K, N), _data(rng, M, N)
+
+    def run(ctx):
+        a, b = ctx.from_numpy(A), _operand(ctx, B, tb)
+        acc = ctx.from_numpy(C0)
+        gemm(ctx, a, b, out=acc, accumulate=True)
+        return np.stack([gemm(ctx, a, b).to_numpy(), acc.to_numpy()])
+
+    outs = []
+    for pf_min in (1 << 62, 0):
+        _route(monkeypatch, direct)
+        monkeypatch.setattr(mm, "PF_C_MIN", pf_min)
+        mm._plans.clear()
+        outs.append(_both_threads(run))
+        kinds = {type(kernels_key).__name__: kernels_key.pf_c for kernels_key in _tile_keys()}
+        assert kinds and set(kinds.values()) == {pf_min == 0}
+    mm._plans.clear()
+    assert_bitwise(outs[0], outs[1])
+
+
+def _tile_keys():
+    """The tile kernel keys the current plans launch."""
+    from fucina.codegen import gemm as g
+    from fucina.codegen import kernels
+    addrs = {step[0] for p in mm._plans.values() for step in p.steps}
+    return [k for k, a in kernels._memo.items() if a in addrs
+            and isinstance(k, (g.GemmTileKey, g.GemmTileDirectKey))]
+
+
 def test_accumulate_batched_broadcast():
     rng = np.random.default_rng(2)
     A, B, C0 = _data(rng, 3, 20, 600), _data(rng, 1, 600, 40), _data(rng, 3, 20, 40)

@@ -100,6 +100,24 @@ def _fma(b, x, y, z):
     return u.intrinsic(b, "llvm.fma", z.type, [x, y, z])
 
 
+def prefetch_next_tile(b, ptr, off, N, R, NRc):
+    """Prefetch for writing the R x NRc block of C (row length N) at element `off`: the next
+    micro-tile's rows, so that its stores (or the reload of a partial sum) do not miss every
+    cache — an output too big for the caches (the head's logits) otherwise stalls each tile."""
+    for r in range(R):
+        for ln in range(-(-NRc * 4 // 64)):
+            u.prefetch(b, ptr, b.add(off, b.add(b.mul(u.i64(r), N), u.i64(ln * 16))), "f32",
+                       write=True)
+
+
+def next_tile_offset(b, i0, j0, row0, row1, N, R, NRc):
+    """The element offset of the micro-tile after (i0, j0): the next R rows of this panel, or
+    the first rows of the next panel."""
+    more = b.icmp_signed("<", b.add(i0, u.i64(R)), row1)
+    return b.select(more, b.add(b.mul(b.add(i0, u.i64(R)), N), j0),
+                    b.add(b.mul(row0, N), b.add(j0, u.i64(NRc))))
+
+
 def transpose(b, rows):
     """Transpose a square block held as len(rows) vectors of len(rows) lanes (a power of two):
     swap the off-diagonal s x s sub-blocks for s = n/2, n/4, ..., 1."""
@@ -280,14 +298,16 @@ class GemmTileKey(KernelKey):
     11 N blocks, 12 Ap batch stride, 13 Bp batch stride (floats; 0 = broadcast), 14 accumulate,
     15 M blocks fastest (else N blocks fastest) in the chunk order. C is contiguous
     [batch, M, N]; Cpart (partial sums when accumulate and K > KC) likewise.
+    pf_c: prefetch the next micro-tile's C lines (exec sets it for a C too big to stay cached).
     """
     family = "gemm_tile"
     mr: int
     nr_vecs: int
     unroll: int
+    pf_c: bool = False
 
     def ir(self, symbol: str) -> str:
-        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll, _packed_b))
+        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll, _packed_b, self.pf_c))
 
 
 def _packed_b(b, args, N, K, NRc):
@@ -313,6 +333,7 @@ class GemmTileDirectKey(KernelKey):
 
     Arguments: gemm_tile's, with 1 = b (the operand, `dtype`), 13 = b's batch stride
     (elements; 0 = broadcast over a batch of one coalesced axis), 16 s_bk, 17 s_bn.
+    pf_c as gemm_tile's.
     """
     family = "gemm_tile_direct"
     dtype: str    # b's storage dtype: f32 | f16 | bf16
@@ -320,11 +341,12 @@ class GemmTileDirectKey(KernelKey):
     mr: int
     nr_vecs: int
     unroll: int
+    pf_c: bool = False
 
     def ir(self, symbol: str) -> str:
         return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll,
                              lambda b, args, N, K, NRc: _direct_b(self.dtype, self.mode, b,
-                                                                  args, N, K, NRc)))
+                                                                  args, N, K, NRc), self.pf_c))
 
 
 def panel_buffer(b, floats):
@@ -390,7 +412,7 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
     return make, ahead
 
 
-def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
+def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) -> ir.Module:
     """The tile kernel of gemm_tile's argument block, MR = R rows x V vectors of accumulators,
     the k loop unrolled U times. Where its B panels come from is the hook's business (the
     packed panels of gemm_pack here; blocks decoded on the fly for the quantized matmul):
@@ -399,7 +421,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
     and columns j0 .. j0+NR-1 in gemm_pack's layout (element [k - k0][j - j0], zeros past N),
     emitted inside the loop over a tile's NR panels; or (panel, ahead) with
     ahead(bt, k0, j0, col0, col1, part, parts) emitted before each MR panel's micro-kernel
-    run (part of parts), to prefetch a share of what the tile's next panel will read."""
+    run (part of parts), to prefetch a share of what the tile's next panel will read.
+    pf_c: each micro-tile prefetches the next one's C lines (prefetch_next_tile)."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
     vt = _vt(W)
@@ -443,6 +466,9 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel) -> ir.Module:
                     ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
                     mvalid = b.sub(M, i0)
                     coff = b.add(cbat, b.add(b.mul(i0, N), j0))
+                    if pf_c:
+                        nxt = b.add(cbat, next_tile_offset(b, i0, j0, row0, row1, N, R, NRc))
+                        prefetch_next_tile(b, b.select(last, C, Cpart), nxt, N, R, NRc)
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                        _zero_mask(W)) for v in range(V)] for r in range(R)]
 

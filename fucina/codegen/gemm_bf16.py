@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import _mask_upto, _zero_mask, lanes, transpose
+from .gemm import (_mask_upto, _zero_mask, lanes, next_tile_offset, prefetch_next_tile,
+                   transpose)
 from .kernels import KernelKey, register
 from .target import host
 
@@ -299,6 +300,7 @@ class GemmBf16TileKey(KernelKey):
     native: bool
     b_dtype: str   # f32 | bf16
     b_mode: str    # wvec | kvec | any
+    pf_c: bool = False   # prefetch the next micro-tile's C lines (gemm.prefetch_next_tile)
 
     def ir(self, symbol: str) -> str:
         return str(_build_tile(self, symbol))
@@ -444,6 +446,9 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                     ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
                     mvalid = b.sub(M, i0)
                     coff = b.add(b.mul(i0, N), j0)
+                    if key.pf_c:
+                        prefetch_next_tile(b, C, next_tile_offset(b, i0, j0, row0, row1, N, R,
+                                                                  NRc), N, R, NRc)
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                        _zero_mask(W)) for v in range(V)] for r in range(R)]
 

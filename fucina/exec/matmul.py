@@ -44,6 +44,8 @@ RV_RN, RV_ACC = 4, 16    # rowvec tile: up to RV_RN vectors across, RV_ACC accum
 RV_WIDE = 16             # ... or, for one or two rows of C, RV_WIDE / rows vectors across
 DOT_RN, DOT_ACC = 8, 24  # dot tile: up to DOT_RN columns, DOT_ACC accumulators
 RV_MAX_B = 1 << 18       # b up to this many elements (1 MiB f32, L2-sized): rowvec, A unpacked
+PF_C_MIN = 1 << 20       # a C of this many floats (4 MiB) or more does not stay cached: each
+                         # micro-tile prefetches the next one's lines (the head's logits)
 
 _plans: dict = {}
 A, B, C, S, P = range(5)  # pointer bases of a plan step
@@ -374,7 +376,8 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
         else:                           # A from memory: two N blocks (one per thread of two)
             NC = blocks(panels, -(-panels // 2)) * NR
         b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)
-        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL))
+        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL,
+                                               nbatch * M * N >= PF_C_MIN))
         extra = (s_bk, s_bn)
     else:
         plan.kind = "packed"
@@ -383,7 +386,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
         plan.scratch = asz + bsz
         NC = blocks(Np // NR, NC_PANELS) * NR
         b_ptr, b_bat = (S, asz * 4), (0 if npb == 1 else Np * K)
-        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL))
+        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, nbatch * M * N >= PF_C_MIN))
         extra = ()
     nnb = -(-N // NC)
     if acc and K > g.KC:

@@ -14,12 +14,14 @@ from __future__ import annotations
 from ..codegen import gemm_bf16 as g
 from ..codegen import kernels
 from ..errors import DTypeError, ShapeMismatch
-from .matmul import PACK_CHUNK, blocks
+from .matmul import PACK_CHUNK, PF_C_MIN, blocks
 from .raw import RawTensor
 
 MC_PANELS = 24   # at most this many MR panels of A per tile (MC x KC of A stays in L2)
 NC_PANELS = 8    # at most this many NR panels of B per tile ...
 N_CHUNKS = 8     # ... and fewer when that leaves N with fewer blocks than this
+LONG_K = 8192    # from this K on, A streams from memory once per N block (a head's dx, K =
+LONG_NC = 24     # vocab): N blocks of up to this many panels, M in two blocks for the threads
 _plans: dict = {}
 
 
@@ -104,12 +106,16 @@ def _make_plan(a, b, native: bool) -> Plan:
     kc = _kc(K)
     plan.pack_a, plan.words = _pack("f32", MR, M, K, a.strides[0], a.strides[1], kc)
     s_bk, s_bn = b.strides
-    MC = blocks(-(-M // MR), MC_PANELS) * MR
-    npn = -(-N // NR)
-    NC = min(blocks(npn, NC_PANELS), -(-npn // N_CHUNKS)) * NR
+    mpn, npn = -(-M // MR), -(-N // NR)
+    if K >= LONG_K:
+        MC = blocks(mpn, min(MC_PANELS, -(-mpn // 2))) * MR
+        NC = blocks(npn, LONG_NC) * NR
+    else:
+        MC = blocks(mpn, MC_PANELS) * MR
+        NC = min(blocks(npn, NC_PANELS), -(-npn // N_CHUNKS)) * NR
     nmb, nnb = -(-M // MC), -(-N // NC)
     addr = kernels.get(g.GemmBf16TileKey(MR, g.NR_VECS, g.UNROLL, native, b.dtype,
-                                         _mode(N, K, s_bn, s_bk)))
+                                         _mode(N, K, s_bn, s_bk), M * N >= PF_C_MIN))
     plan.tile = (addr, nmb * nnb, M * N * K,
                  (M, N, K, kc, MC, NC, nmb, nnb, int(N > M), s_bk, s_bn))
     return plan
