@@ -53,8 +53,9 @@ def model_file() -> tuple[str, str]:
 
 def _fucina(path, targets, threads, compute="f32"):
     import fucina as fu
+    from fucina.cli.finetune import TRAIN_CACHE_BYTES
     from fucina.llm.decoder import Model, Trainer
-    ctx = fu.ExecContext(threads=threads)
+    ctx = fu.ExecContext(threads=threads, cache_bytes=TRAIN_CACHE_BYTES)   # as fucina finetune
     frozen = {"compute": "bf16"} if compute == "bf16" else {"widen_frozen": True}
     model = Model.from_gguf(ctx, path, **frozen)
     tr = Trainer(model, targets, fu.lora.LoraConfig(8, 16), 42)

@@ -305,6 +305,26 @@ def test_cap_drops_oversized_and_overflowing_releases():
     assert none.cached_bytes() == 0 and none.stats()["dropped"] == 1
 
 
+def test_exec_context_cache_bytes():
+    """ExecContext(cache_bytes=) is its pool's cap (default the SPEC's 1 GiB); a buffer past
+    it is dropped on release, one under it comes back; bad caps are refused by name."""
+    import fucina as fu
+    from fucina.errors import InvalidArgument
+    with fu.ExecContext(threads=1) as ctx:
+        assert ctx.pool.max_cached_bytes == 1 << 30
+    with fu.ExecContext(threads=1, cache_bytes=1 << 20) as ctx:
+        assert ctx.pool.max_cached_bytes == 1 << 20
+        big = ctx.empty((1 << 19,))            # 2 MiB: past the cap
+        del big
+        small = ctx.empty((1 << 16,))          # 256 KiB: kept
+        addr = small.addr
+        del small
+        assert ctx.pool.stats()["dropped"] == 1 and ctx.empty((1 << 16,)).addr == addr
+    for bad in (-1, 1.5, True, "4G"):
+        with pytest.raises(InvalidArgument, match="ExecContext: expected cache_bytes"):
+            fu.ExecContext(threads=1, cache_bytes=bad)
+
+
 def test_cached_bytes_never_exceeds_cap():
     rng = random.Random(7)
     cap = 300_000

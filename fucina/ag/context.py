@@ -16,7 +16,10 @@ from .tensor import Tensor
 
 
 class ExecContext(Context):
-    """`fu.ExecContext(threads=None)`: owns a buffer pool and a lazily started thread team.
+    """`fu.ExecContext(threads=None, *, cache_bytes=1 << 30)`: owns a buffer pool and a lazily
+    started thread team. cache_bytes caps the released buffers the pool keeps for reuse (SPEC
+    R-2); a training step whose working set is bigger (a long sequence) drops buffers past the
+    cap and faults fresh memory in every step: give such a loop a bigger cap.
 
     Tensors use the context that created them; after close() every use raises ContextClosed.
     """

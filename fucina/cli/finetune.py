@@ -159,6 +159,9 @@ NOISE_SEED = 0x6E6F697365     # "noise"
 HELDOUT_MIN_DROP = 0.25
 EVAL_MAX_PAIRS = 64           # the after-training loss over the data set, for small sets only
 PROGRESS_MIN_STEPS = 20       # --progress auto: a tqdm bar for runs this long on a terminal
+TRAIN_CACHE_BYTES = 4 << 30   # the pool keeps a long-sequence step's working set for the next
+                              # step (past the default 1 GiB it dropped buffers and re-faulted
+                              # ~80k pages a step at seq 1024; peak RSS unchanged)
 REQUIRED_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout_p", "learning_rate")
 
 
@@ -958,7 +961,7 @@ def run(opts: Options, out=print) -> Result:
         if opts.load is not None and not (peft.is_peft_dir(opts.load)
                                           and load_trainer_state(opts.load) is None):
             state = checkpoint_state(opts.load, opts.rank)
-        ctx = fu.ExecContext(threads=opts.threads)
+        ctx = fu.ExecContext(threads=opts.threads, cache_bytes=TRAIN_CACHE_BYTES)
         try:
             return _run(ctx, path, opts, state, out)
         finally:

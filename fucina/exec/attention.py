@@ -30,7 +30,7 @@ from .elementwise import f32_bits
 from .matmul import gemm
 from .raw import RawTensor
 
-BQ = 64     # queries per block
+BQ = 128    # queries per block
 BK = 512    # keys per block (forward); more keys than this per query block goes online
 BKB = 256   # keys per block (backward)
 ROW_WORK = 1 << 14

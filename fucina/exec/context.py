@@ -25,13 +25,16 @@ def _debug() -> bool:
 class Context:
     """Pool + team + launch. The public ExecContext (fucina.ag) adds Tensor constructors."""
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, *, cache_bytes: int = 1 << 30):
         if threads is None:
             threads = os.cpu_count() or 1
         if not isinstance(threads, int) or threads < 1:
             raise InvalidArgument(f"ExecContext: expected threads >= 1 or None, got {threads!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise InvalidArgument(f"ExecContext: expected cache_bytes an int >= 0, got "
+                                  f"{cache_bytes!r}")
         self.threads = threads
-        self.pool = _rt.Pool()
+        self.pool = _rt.Pool(max_cached_bytes=cache_bytes)
         self._team = None
         self.closed = False
         self.scopes: list[ExecScope] = []  # open exec scopes, innermost last
