@@ -12,7 +12,8 @@ delta(x) = scale·(dropout(x)·Aᵀ)·Bᵀ, scale = f32(alpha)/f32(rank), with A
 ("lora_r", in_tag), kaiming-uniform from the seed (RNG-10, row-major, fan_in = in), and
 B: [out, rank] tagged (out_tag, "lora_r"), zeros — so the initial delta is exactly zero. The op
 chain is dropout → dot(A, in_tag) → dot(B, "lora_r") → scale, always that order (the grads of
-a checkpoint's resume depend on it). A and B are caller-owned variables, never scope-adopted;
+a checkpoint's resume depend on it); apply runs the scale and the add as one pass over the
+output (ag.elementwise.add_scaled: the same two roundings and gradients, no scaled copy). A and B are caller-owned variables, never scope-adopted;
 everything else is a plain op, so the backward rules are those of dropout, dot and scale.
 
 Lifetime: delta/apply are composite ops; a result that will be backward()'d needs an open exec
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .ag.checks import require_scope, same_ctx
+from .ag.elementwise import add_scaled
 from .ag.engine import no_grad
 from .ag.tensor import Tensor
 from .errors import (DTypeError, InvalidDropout, InvalidRank, MutableDataRequiresNoGrad,
@@ -172,13 +174,14 @@ class Adapter:
                                 f"(the adapter's in_dim), got {n}")
         return self.delta_tags(x.tags)
 
-    def _delta(self, x, dropout_seed):
-        a, b = self.a, self.b
+    def _product(self, x, dropout_seed):
+        """dropout(x)·Aᵀ·Bᵀ, delta before its scale."""
         p = self.dropout_p if dropout_seed is not None else 0.0
         d = x.dropout(p, 0 if dropout_seed is None else dropout_seed)
-        xa = d.dot(a, self.in_tag)
-        xab = xa.dot(b, RANK_TAG)
-        return xab.scale(self.scale)
+        return d.dot(self.a, self.in_tag).dot(self.b, RANK_TAG)
+
+    def _delta(self, x, dropout_seed):
+        return self._product(x, dropout_seed).scale(self.scale)
 
     def delta(self, x, dropout_seed: int | None = None):
         """scale·dropout(x)·Aᵀ·Bᵀ. dropout_seed None = eval (no dropout); a fresh per-step seed
@@ -208,7 +211,8 @@ class Adapter:
         if rb.shape != want:
             raise ShapeMismatch(f"{op}: expected base of shape {want}, got {rb.shape}")
         require_scope(op, x, base, self.a, self.b)
-        return base.add(self._delta(x, dropout_seed))
+        xab = self._product(x, dropout_seed)
+        return Tensor._result(*add_scaled(base, xab, self.scale))
 
     # ---- training / state dicts ----
     def register_params(self, opt, prefix: str) -> None:

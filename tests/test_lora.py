@@ -134,6 +134,31 @@ def test_apply_with_dropout_vs_torch(ctx):
         np.testing.assert_allclose(got.grad().numpy(), want.grad.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_apply_is_bitwise_base_add_delta(ctx, p):
+    """apply runs base + scale·(x·Aᵀ·Bᵀ) in one pass (no scaled copy): the result and every
+    gradient (x, A, B, a variable base) keep the bits of SPEC T-20's chain base.add(delta) —
+    scale 5/3 is not a power of two, so a fused multiply-add would show."""
+    ad = make(ctx, p=p)
+    x_np, b_np, g_np = randn(9, 16), randn(9, 12), randn(9, 12)
+    outs = []
+    for fused in (True, False):
+        x, base = ctx.variable(x_np, ("seq", "in")), ctx.variable(b_np, ("seq", "out"))
+        with ctx.exec_scope():
+            y = (ad.apply(x, base, dropout_seed=7) if fused else
+                 base.add(ad.delta(x, dropout_seed=7)))
+            y.backward(grad=ctx.tensor(g_np, y.tags))
+            outs.append([y.numpy(), x.grad().numpy(), base.grad().numpy(),
+                         ad.a.grad().numpy(), ad.b.grad().numpy()])
+        ad.a.zero_grad()
+        ad.b.zero_grad()
+    for got, want in zip(*outs):
+        assert_bitwise(got, want)
+    y = b_np + (np.float32(ad.scale) * (x_np @ ad.a.numpy().T @ ad.b.numpy().T)).astype(f32)
+    if p == 0.0:
+        np.testing.assert_allclose(outs[0][0], y, rtol=1e-5, atol=1e-5)
+
+
 def test_dropout_seed_modes(ctx):
     ad = make(ctx, p=0.5)
     plain = make(ctx, p=0.0)   # the same seed: the same A and B

@@ -86,6 +86,21 @@ def binary_grads(saved, needs, g):
             unbroadcast(ctx, gb, tags, yt, ys) if needs[1] else None)
 
 
+def add_scaled(x, y, s: float):
+    """x.add(y.scale(s)) in one pass (no scaled copy of y): the kernel rounds s·y, then the
+    sum — the two ops' roundings — and the gradients are theirs, g and s·g. x and y have the
+    same tags and shape (the caller checked), s a real. Returns finish_op's triple."""
+    ctx = x._raw.ctx
+    shape = x._raw.shape
+    out = ew.run(ctx, "add_scaled", "f32", shape, (x._raw, y._raw, s))
+
+    def vjp(needs):
+        return lambda g: (g if needs[0] else None,
+                          ew.run(ctx, "mul", "f32", shape, (g, s)) if needs[1] else None)
+
+    return finish_op("add", out, x.tags, (x, y), vjp)
+
+
 def with_scalar(op: str, x, s: float, reflected: bool):
     """x op s (or s op x when reflected); the scalar is a by-value kernel parameter."""
     r = x._raw
