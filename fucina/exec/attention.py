@@ -32,7 +32,7 @@ from .raw import RawTensor
 
 BQ = 128    # queries per block
 BK = 512    # keys per block (forward); more keys than this per query block goes online
-BKB = 256   # keys per block (backward)
+BKB = 128   # keys per block (backward)
 ROW_WORK = 1 << 14
 
 
