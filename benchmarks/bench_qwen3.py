@@ -153,7 +153,7 @@ def _step_row(ctx, path, threads: int, quick: bool) -> dict:
     rng = np.random.default_rng(1)
     seq = rng.integers(0, SHAPE["vocab"], SEQ + 1)
     tokens, labels = seq[:-1], seq[1:].astype(np.uint64)
-    labels[:32] = qwen3.IGNORE_INDEX   # a masked prompt, as in SFT
+    labels[:32] = decoder.IGNORE_INDEX   # a masked prompt, as in SFT
 
     def fu_step(value=False):
         with ctx.exec_scope():
@@ -172,7 +172,7 @@ def _step_row(ctx, path, threads: int, quick: bool) -> dict:
                     for l, layer in enumerate(trainer.adapters) for n, ad in layer.items()}
         rep = TorchReplica(torch, vals, adapters)
         t_tokens = torch.from_numpy(tokens.astype(np.int64))
-        t_labels = torch.from_numpy(np.where(labels == qwen3.IGNORE_INDEX, -100,
+        t_labels = torch.from_numpy(np.where(labels == decoder.IGNORE_INDEX, -100,
                                              labels.astype(np.int64)))
         with c.torch_threads(threads):  # same trajectory: a check, and both sides warmed
             for i in range(5):
