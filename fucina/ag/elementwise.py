@@ -98,7 +98,7 @@ def add_scaled(x, y, s: float):
         return lambda g: (g if needs[0] else None,
                           ew.run(ctx, "mul", "f32", shape, (g, s)) if needs[1] else None)
 
-    return finish_op("add", out, x.tags, (x, y), vjp)
+    return finish_op("add_scaled", out, x.tags, (x, y), vjp)
 
 
 def with_scalar(op: str, x, s: float, reflected: bool):

@@ -454,6 +454,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) 
             kcl = u.smin(b, kc, b.sub(K, k0))
             first = b.icmp_signed("==", k0, u.i64(0))
             last = b.icmp_signed(">=", b.add(k0, kc), K)
+            dst = b.select(last, C, Cpart)     # where this k block's sums go
             ablk = b.add(abat, b.mul(k0, Mp))
             with u.Loop(b, col0, col1, NRc, "j0") as j0:
                 bp = panel_of(bt, k0, kcl, j0)
@@ -468,7 +469,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) 
                     coff = b.add(cbat, b.add(b.mul(i0, N), j0))
                     if pf_c:
                         nxt = b.add(cbat, next_tile_offset(b, i0, j0, row0, row1, N, R, NRc))
-                        prefetch_next_tile(b, b.select(last, C, Cpart), nxt, N, R, NRc)
+                        prefetch_next_tile(b, dst, nxt, N, R, NRc)
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                        _zero_mask(W)) for v in range(V)] for r in range(R)]
 
@@ -519,8 +520,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) 
                         with then:
                             tile_io(C, False, add=True)
                         with other:
-                            dstp = b.select(last, C, Cpart)
-                            tile_io(dstp, False)
+                            tile_io(dst, False)
     b.ret_void()
     return mod
 

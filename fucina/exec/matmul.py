@@ -365,6 +365,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     direct = (DIRECT_B and bmode != "any" and -(-M // MCd) <= DIRECT_MAX_MB
               and (nbatch == 1 or bs[:2] == (1, 1)))
     MC = MCd if direct else blocks(Mp // MR, MC_PANELS) * MR
+    pf_c = nbatch * M * N >= PF_C_MIN
     nmb = -(-M // MC)
     if direct:
         plan.kind = "packed direct-b"
@@ -376,8 +377,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
         else:                           # A from memory: two N blocks (one per thread of two)
             NC = blocks(panels, -(-panels // 2)) * NR
         b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)
-        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL,
-                                               nbatch * M * N >= PF_C_MIN))
+        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL, pf_c))
         extra = (s_bk, s_bn)
     else:
         plan.kind = "packed"
@@ -386,7 +386,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
         plan.scratch = asz + bsz
         NC = blocks(Np // NR, NC_PANELS) * NR
         b_ptr, b_bat = (S, asz * 4), (0 if npb == 1 else Np * K)
-        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, nbatch * M * N >= PF_C_MIN))
+        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, pf_c))
         extra = ()
     nnb = -(-N // NC)
     if acc and K > g.KC:
