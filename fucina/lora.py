@@ -34,7 +34,8 @@ import numpy as np
 
 from .ag.checks import require_scope, same_ctx
 from .ag.elementwise import add_scaled
-from .ag.engine import no_grad
+from .ag.engine import Leaf, no_grad, sole_view
+from .ag.matmul import add_scaled_dot_into
 from .ag.tensor import Tensor
 from .errors import (DTypeError, InvalidDropout, InvalidRank, MutableDataRequiresNoGrad,
                      ReadOnlyStorage, ShapeMismatch, TagError, UseAfterRelease)
@@ -175,14 +176,16 @@ class Adapter:
                                 f"(the adapter's in_dim), got {n}")
         return self.delta_tags(x.tags)
 
-    def _product(self, x, dropout_seed):
-        """dropout(x)·Aᵀ·Bᵀ, delta before its scale."""
+    def _rank_side(self, x, dropout_seed):
+        """dropout(x)·Aᵀ, the rank-r side of the product. Without dropout x itself (dropout(x,
+        0) is an identity): then the dot's VJP can add its dx straight into the gradient the
+        frozen projection left for x (engine.Node.into)."""
         p = self.dropout_p if dropout_seed is not None else 0.0
-        d = x.dropout(p, 0 if dropout_seed is None else dropout_seed)
-        return d.dot(self.a, self.in_tag).dot(self.b, RANK_TAG)
+        d = x if p == 0.0 else x.dropout(p, dropout_seed)
+        return d.dot(self.a, self.in_tag)
 
     def _delta(self, x, dropout_seed):
-        return self._product(x, dropout_seed).scale(self.scale)
+        return self._rank_side(x, dropout_seed).dot(self.b, RANK_TAG).scale(self.scale)
 
     def delta(self, x, dropout_seed: int | None = None):
         """scale·dropout(x)·Aᵀ·Bᵀ. dropout_seed None = eval (no dropout); a fresh per-step seed
@@ -192,8 +195,12 @@ class Adapter:
         require_scope(op, x, self.a, self.b)
         return self._delta(x, dropout_seed)
 
-    def apply(self, x, base, dropout_seed: int | None = None):
-        """base + delta(x); base is f32 with exactly delta's tags (e.g. x.dot(w, in_tag))."""
+    def apply(self, x, base, dropout_seed: int | None = None, *, reuse_base: bool = False):
+        """base + delta(x); base is f32 with exactly delta's tags (e.g. x.dot(w, in_tag)).
+        reuse_base=True: the caller never reads base again, so the result may be written over
+        its buffer, the product's sums added in as they are stored — the same bits without a
+        [.., out] buffer for the product or a pass over it (a contiguous base that no other
+        tensor views and that is not a variable; otherwise the plain ops)."""
         op = "lora.Adapter.apply"
         tags = self._check_input(op, x)
         if not isinstance(base, Tensor):
@@ -212,8 +219,11 @@ class Adapter:
         if rb.shape != want:
             raise ShapeMismatch(f"{op}: expected base of shape {want}, got {rb.shape}")
         require_scope(op, x, base, self.a, self.b)
-        xab = self._product(x, dropout_seed)
-        return Tensor._result(*add_scaled(base, xab, self.scale))
+        xa = self._rank_side(x, dropout_seed)
+        if reuse_base and not isinstance(base._node, Leaf) and rb.is_contiguous() \
+                and sole_view(rb):
+            return Tensor._result(*add_scaled_dot_into(base, xa, self.b, RANK_TAG, self.scale))
+        return Tensor._result(*add_scaled(base, xa.dot(self.b, RANK_TAG), self.scale))
 
     # ---- training / state dicts ----
     def register_params(self, opt, prefix: str) -> None:

@@ -571,3 +571,66 @@ def test_micro_kernel_inner_loop_is_tight(kind):
     assert not stores, "stores to the stack in the hot loop"
     if kind == "packed":
         assert not [x for x in body if "%rsp" in x], "stack traffic in the hot loop"
+
+
+@pytest.mark.parametrize("route", ["default", "packed", "direct"])
+def test_scale_is_the_rounded_product_times_scale(route, monkeypatch):
+    """gemm(scale=s) rounds each sum as s·sum before storing it (or adding it to out): bitwise
+    (a·b).scale(s), and out.add((a·b).scale(s)) with accumulate — on every path (rowvec with
+    b packed or not, dot, the tiles with K past one k block), at 1 and 2 threads; a scale that
+    is no f32 value is refused."""
+    from fucina.errors import InvalidArgument
+    from fucina.exec import elementwise as ew
+    if route != "default":
+        _route(monkeypatch, route == "direct")
+    s = float(np.float32(5 / 3))
+    rng = np.random.default_rng(12)
+    cases = [(300, 8, 200, True), (300, 8, 70, False), (3, 600, 40, False),
+             (300, 700, 8, False), (300, 600, 8, True), (70, 600, 90, False),
+             (120, 300, 50, True)]
+    for M, K, N, tb in cases:
+        A, B, C0 = _data(rng, M, K), _data(rng, K, N), _data(rng, M, N)
+
+        def run(ctx):
+            a, b = ctx.from_numpy(A), _operand(ctx, B, tb)
+            c0 = ctx.from_numpy(C0)
+            p = gemm(ctx, a, b)
+            want = [ew.run(ctx, "mul", "f32", (M, N), (p, s)).to_numpy(),
+                    ew.run(ctx, "add_scaled", "f32", (M, N), (c0, p, s)).to_numpy()]
+            gemm(ctx, a, b, out=c0, accumulate=True, scale=s)
+            got = [gemm(ctx, a, b, scale=s).to_numpy(), c0.to_numpy()]
+            return np.stack(want + got)
+
+        out = _both_threads(run)
+        assert_bitwise(out[2], out[0])
+        assert_bitwise(out[3], out[1])
+    mm._plans.clear()
+    with fu.ExecContext(threads=1) as ctx:
+        a, b = ctx.from_numpy(A), ctx.from_numpy(B)
+        for bad in (0.1, float("inf"), 2):
+            with pytest.raises(InvalidArgument, match="scale"):
+                gemm(ctx, a, b, scale=bad)
+
+
+def test_rowvec_order_keeps_the_bits(monkeypatch):
+    """A short-k rowvec writes C row by row (column blocks fastest, C lines prefetched): the
+    bits of the row-groups-first order, plain and accumulating, at 1 and 2 threads."""
+    rng = np.random.default_rng(13)
+    A, B, C0 = _data(rng, 301, 8), _data(rng, 8, 333), _data(rng, 301, 333)
+
+    def run(ctx):
+        a, b = ctx.from_numpy(A), _operand(ctx, B, True)
+        acc = ctx.from_numpy(C0)
+        gemm(ctx, a, b, out=acc, accumulate=True)
+        return np.stack([gemm(ctx, a, b).to_numpy(), acc.to_numpy()])
+
+    outs = []
+    for cols_k in (0, 16):
+        monkeypatch.setattr(mm, "RV_COLS_K", cols_k)
+        mm._plans.clear()
+        outs.append(_both_threads(run))
+        assert all(p.kind.startswith("rowvec") and p.steps[-1][-1][-1] == int(cols_k > 0)
+                   for p in mm._plans.values())
+    mm._plans.clear()
+    assert_bitwise(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0][0], _ref(A, B), rtol=0, atol=_tol(A, B))

@@ -159,6 +159,46 @@ def test_apply_is_bitwise_base_add_delta(ctx, p):
         np.testing.assert_allclose(outs[0][0], y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_apply_reuse_base_writes_the_sum_over_base(ctx, p):
+    """apply(reuse_base=True) adds the scaled product into base's own buffer as the GEMM stores
+    it, and x's LoRA gradient into the one its frozen projection left (engine.Node.into): the
+    result and every gradient keep the bits of the chain base.add(delta). A base something else
+    views, or a variable, is left alone (the plain ops)."""
+    ad = make(ctx, p=p)
+    x_np, w_np, g_np = randn(9, 16), randn(12, 16), randn(9, 12)
+    w = ctx.tensor(w_np, ("out", "in"))
+    outs = []
+    for mode in ("reuse", "viewed", "chain"):
+        x = ctx.variable(x_np, ("seq", "in"))
+        with ctx.exec_scope():
+            base = x.dot(w, "in")
+            before = base.numpy()
+            if mode == "chain":
+                y = base.add(ad.delta(x, dropout_seed=7))
+            else:
+                other = base.reshape(("n",), (9 * 12,)) if mode == "viewed" else None
+                y = ad.apply(x, base, dropout_seed=7, reuse_base=True)
+                assert (y._raw.buf is base._raw.buf) == (mode == "reuse")
+                if other is not None:
+                    assert_bitwise(other.numpy().reshape(9, 12), before)
+            y.backward(grad=ctx.tensor(g_np, y.tags))
+            outs.append([y.numpy(), x.grad().numpy(), ad.a.grad().numpy(),
+                         ad.b.grad().numpy()])
+        ad.a.zero_grad()
+        ad.b.zero_grad()
+    for got in outs[:2]:
+        for g, want in zip(got, outs[2]):
+            assert_bitwise(g, want)
+    bv = ctx.variable(randn(9, 12), ("seq", "out"))
+    x = ctx.variable(x_np, ("seq", "in"))
+    with ctx.exec_scope():
+        before = bv.numpy()
+        y = ad.apply(x, bv, dropout_seed=7, reuse_base=True)
+        assert y._raw.buf is not bv._raw.buf
+        assert_bitwise(bv.numpy(), before)
+
+
 def test_dropout_seed_modes(ctx):
     ad = make(ctx, p=0.5)
     plain = make(ctx, p=0.0)   # the same seed: the same A and B

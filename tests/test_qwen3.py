@@ -759,9 +759,11 @@ def test_step_keeps_only_what_backward_reads(files):
     """Issue 18 (peak RSS of the LoRA step): after the trainer's forward every buffer still
     alive that the forward made is one a VJP saved for backward (or the loss itself) — the base
     projections, the LoRA deltas before their sums and the residual sums are gone. Counted by
-    the runtime, the step's peak live bytes are under half of those of the same ops with every
-    intermediate adopted by the caller's scope (the trainer before the graph scope), and the
-    loss and every adapter gradient are bitwise those of that forward."""
+    the runtime, the step's peak live bytes are under 0.65 of those of the same ops with every
+    intermediate adopted by the caller's scope (the trainer before the graph scope; both write
+    each LoRA sum over its base projection, so neither holds a product or a separate sum —
+    under half before that fusion), and the loss and every adapter gradient are bitwise those
+    of that forward."""
     path, _ = files["f32"]
     toks, labels = sample(96, masked=3)
     with fu.ExecContext(threads=1) as ctx:
@@ -804,7 +806,7 @@ def test_step_keeps_only_what_backward_reads(files):
         peak_ours = _step_peak(ctx, graph_scoped)
         tr.step_counter = 5                  # the same dropout masks
         peak_theirs = _step_peak(ctx, scope_adopted)
-        assert peak_ours < 0.5 * peak_theirs, (peak_ours, peak_theirs)
+        assert peak_ours < 0.65 * peak_theirs, (peak_ours, peak_theirs)
         assert_bitwise(ours[0], theirs[0])
         for k, g in theirs[1].items():
             assert_bitwise(ours[1][k], g)

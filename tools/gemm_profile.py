@@ -29,7 +29,8 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
     from fucina.exec import matmul as mm
     from fucina.llm.decoder import Model, Trainer
 
-    ctx = fu.ExecContext(threads=threads)
+    from fucina.cli.finetune import TRAIN_CACHE_BYTES
+    ctx = fu.ExecContext(threads=threads, cache_bytes=TRAIN_CACHE_BYTES)   # as fucina finetune
     model = (Model.from_gguf(ctx, path, widen_frozen=True) if compute == "f32" else
              Model.from_gguf(ctx, path, compute=compute))
     tr = Trainer(model, targets, fu.lora.LoraConfig(8, 16), 42)
@@ -50,9 +51,9 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
 
     real_gemm = mm.gemm
 
-    def gemm(c, a, b, out=None, accumulate=False):
+    def gemm(c, a, b, out=None, accumulate=False, scale=1.0):
         if current[0] is not None:
-            return real_gemm(c, a, b, out, accumulate)
+            return real_gemm(c, a, b, out, accumulate, scale)
         M, K = a.shape[-2:]
         N = b.shape[-1]
         batch = int(np.prod(a.shape[:-2])) if a.rank > 2 else 1
@@ -66,7 +67,7 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
         current[0] = len(calls) - 1
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
-            return real_gemm(c, a, b, out, accumulate)
+            return real_gemm(c, a, b, out, accumulate, scale)
         finally:
             current[0] = None
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)

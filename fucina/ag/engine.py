@@ -54,12 +54,18 @@ class enable_grad:
 
 
 class Node:
-    """An op's record: parents, the VJP closure, and the bookkeeping of one backward pass."""
+    """An op's record: parents, the VJP closure, and the bookkeeping of one backward pass.
 
-    __slots__ = ("parents", "vjp", "name", "pending", "consumed", "released")
+    into: the VJP is called as vjp(g, acc), acc holding, per parent, the gradient accumulated
+    for it so far when the VJP may add its own into that buffer in place (else None); a VJP
+    that did so returns that very tensor for the parent (the GEMM adds its sums as it stores
+    them: the same bits as the separate add, without its pass)."""
 
-    def __init__(self, name, parents, vjp):
+    __slots__ = ("parents", "vjp", "name", "pending", "consumed", "released", "into")
+
+    def __init__(self, name, parents, vjp, into=False):
         self.name, self.parents, self.vjp = name, parents, vjp
+        self.into = into
         self.pending = 0
         self.consumed = False
         self.released = False
@@ -131,7 +137,10 @@ def backward(root, seed) -> None:
                 node.grad = add_into(ctx, node.grad, g)
             shared.add(id(node.grad.buf))
             continue
-        outs = node.vjp(g)
+        if node.into:
+            outs = node.vjp(g, tuple(_reusable(grads, p) for p in node.parents))
+        else:
+            outs = node.vjp(g)
         node.consumed = True
         node.vjp = None  # saved tensors go back to the pool now
         for parent, gp in zip(node.parents, outs):
@@ -139,13 +148,25 @@ def backward(root, seed) -> None:
                 continue
             if gp is not None:
                 prev = grads.get(parent)
-                grads[parent] = gp if prev is None else add_into(ctx, prev, gp)
+                grads[parent] = gp if prev is None or prev is gp else add_into(ctx, prev, gp)
             parent.pending -= 1
             if parent.pending == 0:
                 if parent in grads:
                     ready.append(parent)
                 elif not isinstance(parent, Leaf):  # nothing flowed in: its subtree gets nothing
                     _drain(parent, ready, grads)
+
+
+def _reusable(grads, parent):
+    """The gradient accumulated for `parent` so far, when a VJP may add into it in place: a
+    contiguous f32 that only the engine holds (not handed to two parents, not a caller's seed,
+    no other view of its buffer); else None."""
+    prev = grads.get(parent) if parent is not None else None
+    if prev is None or sys.getrefcount(prev) != 3:    # grads' slot, prev, the argument
+        return None
+    if prev.dtype != "f32" or not prev.is_contiguous() or not sole_view(prev):
+        return None
+    return prev
 
 
 def sole_view(raw) -> bool:
@@ -229,13 +250,13 @@ def no_graph(op: str):
 
 
 def finish_op(name: str, out, tags, operands, make_vjp, dtypes_ok: bool = False,
-              ignore_mode: bool = False):
+              ignore_mode: bool = False, into: bool = False):
     """The tail every differentiable op ends in: (result raw, tags, node or None).
 
     make_vjp(needs) builds the closure g -> per-operand gradients, computing only those in
     `needs` (needs_grad pruning). Gradients flow only through f32 ops (casts excepted).
     ignore_mode: record whenever an operand requires grad, even under no_grad (the checkpoint
-    node, SPEC §3.19)."""
+    node, SPEC §3.19). into: the closure takes the engine's accumulators (Node)."""
     if ignore_mode:
         wanted = any(getattr(t, "_node", None) is not None for t in operands)
     else:
@@ -250,4 +271,4 @@ def finish_op(name: str, out, tags, operands, make_vjp, dtypes_ok: bool = False,
                     f"{name}: gradients flow only through f32 ops; operand is a {t._raw.dtype} "
                     f"variable (cast it with .to('f32') first)")
     needs = tuple(p is not None for p in parents)
-    return out, tags, Node(name, parents, make_vjp(needs))
+    return out, tags, Node(name, parents, make_vjp(needs), into)

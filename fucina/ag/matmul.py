@@ -40,7 +40,8 @@ def einsum(x, y, out_tags, op: str = "einsum"):
     out = es.einsum(a.ctx, a, x.tags, b, y.tags, out_tags)
     return finish_op(op, out, out_tags, (x, y),
                      lambda needs: functools.partial(_einsum_grads, _einsum_saved(
-                         a, x.tags, b, y.tags, out_tags, needs), needs), dtypes_ok=True)
+                         a, x.tags, b, y.tags, out_tags, needs), needs), dtypes_ok=True,
+                     into=True)
 
 
 def _einsum_saved(a, xt, b, yt, out_tags, needs) -> tuple:
@@ -50,24 +51,27 @@ def _einsum_saved(a, xt, b, yt, out_tags, needs) -> tuple:
             out_tags)
 
 
-def _einsum_grads(saved, needs, g):
+def _einsum_grads(saved, needs, g, acc=(None, None)):
     """dX = einsum(g, Y -> X's tags), dY = einsum(X, g -> Y's tags); a summed-away private axis
-    gets the gradient broadcast back over it."""
+    gets the gradient broadcast back over it. acc: the engine's accumulators to add into."""
     ctx, a, a_shape, xt, b, b_shape, yt, out_tags = saved
-    gx = _grad_for(ctx, g, out_tags, b, yt, a_shape, xt) if needs[0] else None
-    gy = _grad_for(ctx, a, xt, g, out_tags, b_shape, yt, left_first=True) if needs[1] else None
+    gx = _grad_for(ctx, g, out_tags, b, yt, a_shape, xt, acc[0]) if needs[0] else None
+    gy = _grad_for(ctx, a, xt, g, out_tags, b_shape, yt, acc[1]) if needs[1] else None
     return gx, gy
 
 
-def _grad_for(ctx, p, pt, q, qt, target_shape, tt, left_first=False):
+def _grad_for(ctx, p, pt, q, qt, target_shape, tt, into=None):
     """einsum of p and q onto the tags tt (of a target of target_shape), broadcast over target
-    axes neither has."""
+    axes neither has; added into `into` (contiguous, tt order) when given and nothing is
+    broadcast (then `into` is the result)."""
     have = set(pt) | set(qt)
     kept = tuple(t for t in tt if t in have)
     if q.dtype != "f32":
         q = ew.cast(ctx, q, "f32")
     if p.dtype != "f32":
         p = ew.cast(ctx, p, "f32")
+    if into is not None and kept == tt:
+        return es.einsum(ctx, p, pt, q, qt, kept, out=into, accumulate=True)
     r = es.einsum(ctx, p, pt, q, qt, kept)
     if kept == tt:
         return r
@@ -82,6 +86,34 @@ def dot(x, y, tag: str):
         return quantized_dot(x, y, tag)
     out_tags = axes.dot_tags("dot", x.tags, x._raw.shape, y.tags, y._raw.shape, tag)
     return einsum(x, y, out_tags, op="dot")
+
+
+def add_scaled_dot_into(base, x, y, tag: str, s: float):
+    """base.add(x.dot(y, tag).scale(s)) written over base's own buffer, in the product's GEMM
+    pass: each sum is rounded as s·sum and added to base's value as the tile stores it (the two
+    ops' roundings, so the same bits) — no buffer for the product, none for the sum, no pass
+    over either. The caller guarantees base is never read again (its buffer now holds the
+    result) and checked tags and shapes; x and y are f32 and base a contiguous f32 that no
+    other view sees (engine.sole_view). Gradients: g to base, s·g through the dot's rule.
+    Returns finish_op's triple."""
+    a, b, r = x._raw, y._raw, base._raw
+    ctx = r.ctx
+    out_tags = base.tags
+    es.einsum(ctx, a, x.tags, b, y.tags, out_tags, out=r, accumulate=True, scale=s)
+    saved = (ctx, s, r.shape)
+
+    def make_vjp(needs):
+        dot_saved = _einsum_saved(a, x.tags, b, y.tags, out_tags, needs[1:])
+        return functools.partial(_add_scaled_dot_grads, saved, dot_saved, needs)
+
+    return finish_op("add_scaled_dot", r, out_tags, (base, x, y), make_vjp)
+
+
+def _add_scaled_dot_grads(saved, dot_saved, needs, g):
+    ctx, s, shape = saved
+    gs = ew.run(ctx, "mul", "f32", shape, (g, s)) if needs[1] or needs[2] else None
+    gx, gy = _einsum_grads(dot_saved, needs[1:], gs) if gs is not None else (None, None)
+    return (g if needs[0] else None), gx, gy
 
 
 def einsum_many(out_tags, operands):

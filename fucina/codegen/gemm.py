@@ -22,6 +22,8 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              chunk grid is fixed by the problem size: bitwise identical for any thread count.
              With `accumulate` the chain's result is added to c in one final rounding
              (c = c + sum); partial sums of earlier KC blocks then live in a scratch buffer.
+             A key's `scale` s != 1 rounds s·sum once more before it is stored or added
+             (c = c + s·sum, two roundings: x.add(y.scale(s)) with y = the product).
              emit_tile builds it around a hook that produces each KC x NR panel of B: a
              pointer into gemm_pack's panels here, the quantized matmul's blocks decoded on
              the fly into a stack buffer (fucina.codegen.quant_gemm) — one micro-kernel, so
@@ -57,6 +59,7 @@ NR_VECS = 2      # vectors across the micro-tile (NR = NR_VECS * lanes columns)
 KC = 256         # k block: a KC x NR panel of B stays in L1 across the MR panels of A (and
                  # fits the stack buffer the quantized tile decodes its panels into)
 UNROLL = 4       # k steps per iteration of the micro-kernel's inner loop
+PF_ITEMS = 2     # rowvec writing C row by row: prefetch its lines this many items ahead
 PF_ROWS = 8      # packing along rows far apart (wvec): prefetch this many rows ahead ...
 PF_K = 256       # ... along k-contiguous rows (kvec): this many elements ahead
 
@@ -299,15 +302,18 @@ class GemmTileKey(KernelKey):
     15 M blocks fastest (else N blocks fastest) in the chunk order. C is contiguous
     [batch, M, N]; Cpart (partial sums when accumulate and K > KC) likewise.
     pf_c: prefetch the next micro-tile's C lines (exec sets it for a C too big to stay cached).
+    scale: each result is s·sum (see the module docstring).
     """
     family = "gemm_tile"
     mr: int
     nr_vecs: int
     unroll: int
     pf_c: bool = False
+    scale: float = 1.0
 
     def ir(self, symbol: str) -> str:
-        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll, _packed_b, self.pf_c))
+        return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll, _packed_b, self.pf_c,
+                             self.scale))
 
 
 def _packed_b(b, args, N, K, NRc):
@@ -333,7 +339,7 @@ class GemmTileDirectKey(KernelKey):
 
     Arguments: gemm_tile's, with 1 = b (the operand, `dtype`), 13 = b's batch stride
     (elements; 0 = broadcast over a batch of one coalesced axis), 16 s_bk, 17 s_bn.
-    pf_c as gemm_tile's.
+    pf_c and scale as gemm_tile's.
     """
     family = "gemm_tile_direct"
     dtype: str    # b's storage dtype: f32 | f16 | bf16
@@ -342,11 +348,13 @@ class GemmTileDirectKey(KernelKey):
     nr_vecs: int
     unroll: int
     pf_c: bool = False
+    scale: float = 1.0
 
     def ir(self, symbol: str) -> str:
         return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll,
                              lambda b, args, N, K, NRc: _direct_b(self.dtype, self.mode, b,
-                                                                  args, N, K, NRc), self.pf_c))
+                                                                  args, N, K, NRc), self.pf_c,
+                             self.scale))
 
 
 def panel_buffer(b, floats):
@@ -412,7 +420,8 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
     return make, ahead
 
 
-def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) -> ir.Module:
+def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
+              scale: float = 1.0) -> ir.Module:
     """The tile kernel of gemm_tile's argument block, MR = R rows x V vectors of accumulators,
     the k loop unrolled U times. Where its B panels come from is the hook's business (the
     packed panels of gemm_pack here; blocks decoded on the fly for the quantized matmul):
@@ -422,7 +431,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) 
     emitted inside the loop over a tile's NR panels; or (panel, ahead) with
     ahead(bt, k0, j0, col0, col1, part, parts) emitted before each MR panel's micro-kernel
     run (part of parts), to prefetch a share of what the tile's next panel will read.
-    pf_c: each micro-tile prefetches the next one's C lines (prefetch_next_tile)."""
+    pf_c: each micro-tile prefetches the next one's C lines (prefetch_next_tile).
+    scale: the final sums are multiplied by it (rounded) before they are stored or added."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
     vt = _vt(W)
@@ -473,7 +483,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) 
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                        _zero_mask(W)) for v in range(V)] for r in range(R)]
 
-                    def tile_io(ptr, load, add=False):
+                    def tile_io(ptr, load, add=False, scaled=False):
                         out = []
                         for r in range(R):
                             for v in range(V):
@@ -482,6 +492,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) 
                                     out.append(u.load(b, ptr, idx, "f32", W, masks[r][v]))
                                 else:
                                     x = b.load(accs[r][v])
+                                    if scaled:
+                                        x = _scaled(b, x, scale)
                                     if add:
                                         x = b.fadd(u.load(b, ptr, idx, "f32", W, masks[r][v]), x)
                                     u.store(b, x, ptr, idx, "f32", masks[r][v])
@@ -516,11 +528,19 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False) 
                         step(k)
 
                     final_add = b.and_(last, accumulate)
+                    scaled = scale != 1.0
                     with b.if_else(final_add) as (then, other):
                         with then:
-                            tile_io(C, False, add=True)
+                            tile_io(C, False, add=True, scaled=scaled)
                         with other:
-                            tile_io(dst, False)
+                            if not scaled:
+                                tile_io(dst, False)
+                            else:       # partial sums of earlier k blocks stay unscaled
+                                with b.if_else(last) as (fin, part):
+                                    with fin:
+                                        tile_io(C, False, scaled=True)
+                                    with part:
+                                        tile_io(dst, False)
     b.ret_void()
     return mod
 
@@ -545,17 +565,25 @@ class GemmSmallKey(KernelKey):
     Arguments: 0 a, 1 b, 2 c, 3 M, 4 N, 5 K, 6 s_am, 7 s_ak, 8 s_bk, 9 s_bn (rowvec: the
     distance between consecutive column blocks of rn*W columns), 10 d1, 11 d2, 12..14 a batch
     strides, 15..17 b batch strides, 18 accumulate, 19 items per chunk, 20 row groups,
-    21 column blocks, 22 batches. C is contiguous [batch, M, N]. Items run row groups
-    fastest, so consecutive items reuse one block of b.
+    21 column blocks, 22 batches, 23 column blocks fastest. C is contiguous [batch, M, N].
+    Items run row groups fastest, so consecutive items reuse one block of b; or, with argument
+    23 set (a short k: each item's C is more than its block of b), column blocks fastest, so
+    C is written row after row as it lies in memory. scale: as gemm_tile's.
     """
     family = "gemm_small"
     b_dtype: str
     mode: str     # rowvec | dot
     rm: int
     rn: int
+    scale: float = 1.0
 
     def ir(self, symbol: str) -> str:
         return str(_build_small(self, symbol))
+
+
+def _scaled(b, x, scale):
+    """scale·x (rounded), x itself when scale is 1."""
+    return x if scale == 1.0 else b.fmul(x, u.const(x.type, scale))
 
 
 def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
@@ -565,17 +593,18 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
     RM, RN, bdt = key.rm, key.rn, key.b_dtype
     A, B, C = (u.arg_ptr(b, args, i) for i in range(3))
     (M, N, K, s_am, s_ak, s_bk, s_bn, d1, d2, as0, as1, as2, bs0, bs1, bs2, accflag, per,
-     nrg, ncb, nbatch) = (u.arg(b, args, i) for i in range(3, 23))
+     nrg, ncb, nbatch, cfast) = (u.arg(b, args, i) for i in range(3, 24))
     accumulate = b.icmp_signed("!=", accflag, u.i64(0))
     items = b.mul(nbatch, b.mul(nrg, ncb))
     q0 = b.mul(c0, per)
     q1 = u.smin(b, b.mul(c1, per), items)
     accs = [[u.entry_alloca(b, vt) for _ in range(RN)] for _ in range(RM)]
     with u.Loop(b, q0, q1, 1, "q") as q:
-        rg = b.srem(q, nrg)         # row groups fastest: consecutive items reuse b's block
-        t = b.sdiv(q, nrg)
-        cb = b.srem(t, ncb)
-        bt = b.sdiv(t, ncb)
+        by_c = b.icmp_signed("!=", cfast, u.i64(0))
+        bt = b.sdiv(q, b.mul(nrg, ncb))
+        t = b.srem(q, b.mul(nrg, ncb))
+        rg = b.select(by_c, b.sdiv(t, ncb), b.srem(t, nrg))
+        cb = b.select(by_c, b.srem(t, ncb), b.sdiv(t, nrg))
         aoff = _batch_offset(b, bt, d1, d2, as0, as1, as2)
         boff = _batch_offset(b, bt, d1, d2, bs0, bs1, bs2)
         coff = b.mul(bt, b.mul(M, N))
@@ -592,6 +621,12 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
             nvalid = b.sub(N, j0)
             cm = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(RN)]
             bcol = b.add(boff, b.mul(cb, s_bn))   # s_bn: the distance between column blocks
+            with b.if_then(by_c):   # C row by row: its lines PF_ITEMS items ahead, owned
+                for r in range(RM):
+                    row = b.add(coff, b.mul(b.add(i0, u.i64(r)), N))
+                    for v in range(RN):
+                        u.prefetch(b, C, b.add(row, b.add(j0, u.i64((PF_ITEMS * RN + v) * W))),
+                                   "f32", write=True)
 
             def kloop(masked):
                 with u.Loop(b, u.i64(0), K, 1, "k") as k:
@@ -616,7 +651,7 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
                 for v in range(RN):
                     m = b.select(rowok, cm[v], _zero_mask(W))
                     idx = b.add(coff, b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(v * W))))
-                    x = b.load(accs[r][v])
+                    x = _scaled(b, b.load(accs[r][v]), key.scale)
                     old = u.load(b, C, idx, "f32", W, m)
                     x = b.select(accumulate, b.fadd(old, x), x)
                     u.store(b, x, C, idx, "f32", m)
@@ -644,7 +679,7 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
                                 b.icmp_signed("<", u.i64(c), nvalid))
                     with b.if_then(ok):
                         idx = b.add(coff, b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(c))))
-                        x = lane_tree(b, b.load(accs[r][c]), fadd)
+                        x = _scaled(b, lane_tree(b, b.load(accs[r][c]), fadd), key.scale)
                         p = b.gep(C, [idx], source_etype=u.F32)
                         with b.if_else(accumulate) as (then, other):
                             with then:

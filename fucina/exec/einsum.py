@@ -152,16 +152,18 @@ def _sum_away(ctx, x, tags, drop):
 
 
 def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags: tuple,
-           out: RawTensor | None = None, accumulate: bool = False) -> RawTensor:
+           out: RawTensor | None = None, accumulate: bool = False,
+           scale: float = 1.0) -> RawTensor:
     """result[out_tags] = sum over the other tags of x * y (A-5), contiguous in out_tags order.
-    With out= (contiguous, out_tags order) and accumulate=True: out += x.y."""
+    With out= (contiguous, out_tags order) and accumulate=True: out += x.y. scale (an f32
+    value): the sums are rounded as scale·sum first (matmul.gemm's scale)."""
     out_tags = tuple(out_tags)
     p = _plan(xtags, x.shape, x.strides, ytags, y.shape, y.strides, y.dtype, out_tags)
     if p is None:
         r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, out_tags)
         x, xtags = _sum_away(ctx, x, xtags, r.lsum)
         y, ytags = _sum_away(ctx, y, ytags, r.rsum)
-        return einsum(ctx, x, xtags, y, ytags, out_tags, out, accumulate)
+        return einsum(ctx, x, xtags, y, ytags, out_tags, out, accumulate, scale)
     if p.swap:
         x, y = y, x
     xv, yv = p.x.apply(ctx, x), p.y.apply(ctx, y)
@@ -169,9 +171,9 @@ def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags
     if p.perm is None:
         target = None if out is None else out.view(xv.shape[:-1] + yv.shape[-1:],
                                                    _contig(xv.shape[:-1] + yv.shape[-1:]))
-        c = gemm(ctx, xv, yv, target, accumulate)
+        c = gemm(ctx, xv, yv, target, accumulate, scale)
         return c.view(full, _contig(full)) if out is None else out
-    c = gemm(ctx, xv, yv)
+    c = gemm(ctx, xv, yv, scale=scale)
     shaped = c.view(full, _contig(full)).permute(p.perm)
     if out is None:
         return ew.materialize(ctx, shaped)

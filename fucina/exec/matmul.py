@@ -22,9 +22,12 @@ operands' layouts, so a repeated call costs a dict lookup, a pool allocation and
 """
 from __future__ import annotations
 
+import math
+import struct
+
 from ..codegen import gemm as g
 from ..codegen import kernels
-from ..errors import DTypeError, ShapeMismatch
+from ..errors import DTypeError, InvalidArgument, ShapeMismatch
 from .raw import RawTensor, numel
 
 MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
@@ -44,6 +47,7 @@ RV_RN, RV_ACC = 4, 16    # rowvec tile: up to RV_RN vectors across, RV_ACC accum
 RV_WIDE = 16             # ... or, for one or two rows of C, RV_WIDE / rows vectors across
 DOT_RN, DOT_ACC = 8, 24  # dot tile: up to DOT_RN columns, DOT_ACC accumulators
 RV_MAX_B = 1 << 18       # b up to this many elements (1 MiB f32, L2-sized): rowvec, A unpacked
+RV_COLS_K = 16           # rowvec with K at most this: column blocks fastest (C row by row)
 PF_C_MIN = 1 << 20       # a C of this many floats (4 MiB) or more does not stay cached: each
                          # micro-tile prefetches the next one's lines (the head's logits)
 
@@ -105,15 +109,17 @@ def _check(op, a, b, out):
 
 
 def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
-         accumulate: bool = False) -> RawTensor:
+         accumulate: bool = False, scale: float = 1.0) -> RawTensor:
     """c[*batch, M, N] = a[*batch, M, K] · b[*batch, K, N] (f32 accumulate); into `out` if given;
-    with accumulate=True, out += a·b — one final rounding per element after the full k-sum."""
+    with accumulate=True, out += a·b — one final rounding per element after the full k-sum.
+    scale (an f32 value): each sum is rounded once more as scale·sum before it is stored or
+    added — out + scale·(a·b) is then exactly out.add((a·b).scale(scale)), in one pass."""
     if 0 in a.lay.shape or 0 in b.lay.shape:
         return _gemm_empty(ctx, a, b, out, accumulate)
     try:
-        plan = _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate)]
+        plan = _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate, scale)]
     except (KeyError, AttributeError):
-        plan = _new_plan(a, b, out, accumulate)
+        plan = _new_plan(a, b, out, accumulate, scale)
     if ctx.closed:
         ctx.check_open("add_dot" if accumulate else "matmul")
     if out is None:
@@ -156,13 +162,16 @@ def _gemm_empty(ctx, a, b, out, accumulate):
     return out
 
 
-def _new_plan(a, b, out, accumulate) -> "Plan":
+def _new_plan(a, b, out, accumulate, scale) -> "Plan":
     op = "add_dot" if accumulate else "matmul"
     shape = _check(op, a, b, out)
     if accumulate and out is None:
         raise ValueError(f"{op}: accumulate=True needs out= (the tensor to add to)")
-    plan = _make_plan(a, b, shape, accumulate)
-    _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate)] = plan
+    if not isinstance(scale, float) or not math.isfinite(scale) or \
+            struct.unpack("<f", struct.pack("<f", scale))[0] != scale:
+        raise InvalidArgument(f"{op}: expected scale a finite f32 value (a float), got {scale!r}")
+    plan = _make_plan(a, b, shape, accumulate, scale)
+    _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate, scale)] = plan
     return plan
 
 
@@ -170,7 +179,7 @@ def path_of(a: RawTensor, b: RawTensor) -> str:
     """Which path gemm takes for these operands: packed | rowvec [packed-b] | dot [copied-b]
     (+ " outer" when leading batch axes loop here), e.g. for tests and benchmarks."""
     shape = _check("matmul", a, b, None)
-    plan = _make_plan(a, b, shape, False)
+    plan = _make_plan(a, b, shape, False, 1.0)
     return plan.kind + (" outer" if plan.outer else "")
 
 
@@ -218,7 +227,7 @@ def _coalesce_batch(shape, strides_list):
     return cs, cst
 
 
-def _make_plan(a, b, shape, accumulate) -> Plan:
+def _make_plan(a, b, shape, accumulate, scale) -> Plan:
     plan = Plan(shape)
     M, K = a.shape[-2:]
     N = b.shape[-1]
@@ -236,7 +245,7 @@ def _make_plan(a, b, shape, accumulate) -> Plan:
     unit_n = s_bn == 1 or N == 1
     unit_ka = s_ak == 1 or K == 1
     unit_kb = s_bk == 1 or K == 1
-    args = (b.dtype, M, N, K, bs, ast, nbatch, accumulate)
+    args = (b.dtype, M, N, K, bs, ast, nbatch, accumulate, scale)
     if M <= SMALL_M and unit_n:
         _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
     elif M <= SMALL_M and unit_ka and unit_kb:
@@ -282,14 +291,14 @@ def _rowvec_tile(M, N):
     return min(M, max(1, RV_ACC // rn)), rn
 
 
-def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
+def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
     """rowvec over b as given (unit stride along n) or packed first into column blocks."""
     W = g.lanes()
     rm, rn = _rowvec_tile(M, N)
     s_bk, s_bn = sb
     if s_bn == 1 or N == 1:
         _plan_small(plan, "rowvec", (rm, rn), (*sa, s_bk, rn * W), bst, bdt, M, N, K, bs, ast,
-                    nbatch, acc)
+                    nbatch, acc, scale)
         return
     # pack b into [block][k][rn*W] (one KC block of length K): unit stride along n
     step, npb, size = pack_step(B, bdt, rn * W, N, K, s_bn, s_bk, bs, bst, nbatch, 0, K)
@@ -298,11 +307,12 @@ def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
     blk = -(-N // (rn * W)) * rn * W * K
     pst = (0, 0, 0) if npb == 1 else tuple(st * blk for st in _contig(bs))
     _plan_small(plan, "rowvec", (rm, rn), (*sa, rn * W, rn * W * K), pst, "f32", M, N, K, bs,
-                ast, nbatch, acc, b_base=S)
+                ast, nbatch, acc, scale, b_base=S)
     plan.kind = "rowvec packed-b"
 
 
-def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, acc, b_base=B):
+def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale,
+                b_base=B):
     W = g.lanes()
     plan.kind = mode
     if mode == "rowvec":
@@ -317,11 +327,11 @@ def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, a
     nrg = -(-M // rm)
     items = nbatch * nrg * ncb
     per = max(1, SMALL_CHUNK // max(work, 1))
-    addr = kernels.get(g.GemmSmallKey(bdt, mode, rm, rn))
+    addr = kernels.get(g.GemmSmallKey(bdt, mode, rm, rn, scale))
     plan.steps.append((addr, -(-items // per), nbatch * M * N * K,
                        ((A, 0), (b_base, 0), (C, 0)),
                        (M, N, K, *strides, bs[1], bs[2], *ast, *bst, int(acc), per, nrg, ncb,
-                        nbatch)))
+                        nbatch, int(mode == "rowvec" and K <= RV_COLS_K))))
 
 
 def pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc=None):
@@ -351,7 +361,7 @@ def blocks(n_panels, max_per):
     return -(-n_panels // nblk)
 
 
-def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
+def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
     MR, NR = g.mr(), g.nr()
     Mp = -(-M // MR) * MR
     Np = -(-N // NR) * NR
@@ -377,7 +387,8 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
         else:                           # A from memory: two N blocks (one per thread of two)
             NC = blocks(panels, -(-panels // 2)) * NR
         b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)
-        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL, pf_c))
+        addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL, pf_c,
+                                               scale))
         extra = (s_bk, s_bn)
     else:
         plan.kind = "packed"
@@ -386,7 +397,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc):
         plan.scratch = asz + bsz
         NC = blocks(Np // NR, NC_PANELS) * NR
         b_ptr, b_bat = (S, asz * 4), (0 if npb == 1 else Np * K)
-        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, pf_c))
+        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, pf_c, scale))
         extra = ()
     nnb = -(-N // NC)
     if acc and K > g.KC:

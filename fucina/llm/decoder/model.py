@@ -20,7 +20,8 @@ backward, its gradient) rounded to bf16, f32 sums through the CPU's bf16 dot ins
 Everything else — norms, RoPE, attention, softmax, the loss, any adapter — stays f32.
 
 One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
-deltas to the frozen projections (None = the plain model):
+deltas to the frozen projections (None = the plain model; the layer never reads a base after
+handing it to the hook, which may write its result over it):
     attn_in = x.rms_norm_mul("embed", attn_norm, eps)
     q, k, v = attn_in · Wq/Wk/Wv (a fused attn_qkv weight is split after its one dot)
     q_rope = q3.rms_norm_mul_rope_half_prepared("seq", "d", q_norm, eps, table)   (same for k)

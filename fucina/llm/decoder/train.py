@@ -79,7 +79,8 @@ class Targets:
 
 class _Lora:
     """The adapt(name, x, base) hook of Model.layer for one layer: base + delta of the adapter
-    bound to `name` (with that target's dropout seed), base alone for targets without one."""
+    bound to `name` (with that target's dropout seed), base alone for targets without one.
+    Model never reads a base after handing it over, so the sum may reuse its buffer."""
 
     __slots__ = ("adapters", "seeds")
 
@@ -88,7 +89,7 @@ class _Lora:
 
     def __call__(self, name, x, base):
         ad = self.adapters.get(name)
-        return base if ad is None else ad.apply(x, base, self.seeds.get(name))
+        return base if ad is None else ad.apply(x, base, self.seeds.get(name), reuse_base=True)
 
 
 def _bound(ad: Adapter, a: Tensor, b: Tensor) -> Adapter:
