@@ -17,7 +17,7 @@ from ..errors import DTypeError, ShapeMismatch
 from .matmul import PACK_CHUNK, PF_C_MIN, blocks
 from .raw import RawTensor
 
-MC_PANELS = 24   # at most this many MR panels of A per tile (MC x KC of A stays in L2)
+MC_PANELS = 48   # at most this many MR panels of A per tile (MC x KC of A, 688 KiB, stays in L2)
 NC_PANELS = 8    # at most this many NR panels of B per tile ...
 N_CHUNKS = 8     # ... and fewer when that leaves N with fewer blocks than this
 LONG_K = 8192    # from this K on, A streams from memory once per N block (a head's dx, K =
