@@ -53,6 +53,7 @@ def _route(monkeypatch, direct):
     monkeypatch.setattr(mm, "SMALL_M", 0)
     monkeypatch.setattr(mm, "DOT_N", 0)
     monkeypatch.setattr(mm, "RV_MAX_B", 0)
+    monkeypatch.setattr(mm, "RV_ROWS", 0)
     monkeypatch.setattr(mm, "DIRECT_B", direct)
     mm._plans.clear()
 
@@ -246,15 +247,15 @@ def test_paths_are_covered_and_rowvec_matches_packed():
                 seen.add(path)
                 got = gemm(ctx, a, b).to_numpy()
                 if path.startswith("rowvec") or path == "packed direct-b":
-                    saved = mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B, mm.DIRECT_B
-                    mm.SMALL_M = mm.DOT_N = mm.RV_MAX_B = 0
+                    saved = mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B, mm.RV_ROWS, mm.DIRECT_B
+                    mm.SMALL_M = mm.DOT_N = mm.RV_MAX_B = mm.RV_ROWS = 0
                     mm.DIRECT_B = False
                     mm._plans.clear()
                     try:
                         assert mm.path_of(a, b) == "packed"
                         assert_bitwise(got, gemm(ctx, a, b).to_numpy())
                     finally:
-                        mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B, mm.DIRECT_B = saved
+                        mm.SMALL_M, mm.DOT_N, mm.RV_MAX_B, mm.RV_ROWS, mm.DIRECT_B = saved
                         mm._plans.clear()
     assert seen == {"rowvec", "rowvec packed-b", "dot", "dot copied-b", "packed",
                     "packed direct-b"}

@@ -220,3 +220,31 @@ def test_sixteen_bit_rhs_when_the_output_wants_the_transpose(ctx, dtype):
     w = ctx.tensor(w_np, ("i", "o"), dtype=dtype)
     y = ctx.tensor(x_np, ("s", "i")).einsum(w, ("o", "s"))
     np.testing.assert_allclose(y.numpy(), (x_np.astype(np.float64) @ w.to("f32").numpy()).T, atol=1e-5 * 8)
+
+
+def test_skinny_transposed_output_keeps_the_wide_product(ctx, monkeypatch):
+    """A LoRA weight's gradient [out, r] = gᵀ·u: einsum runs the wide product uᵀ·g (r rows
+    against `out` columns) and copies its small result into out order, instead of a GEMM with
+    r columns — the same bits (one FMA chain per element either way), checked against the
+    swapped plan and numpy; rows of C up to RV_ROWS take rowvec whatever b's size, with the
+    packed path's bits."""
+    from fucina.exec import einsum as es
+    from fucina.exec import matmul as mm
+    rng = np.random.default_rng(5)
+    u, g = rng.standard_normal((1024, 8), np.float32), rng.standard_normal((1024, 600), np.float32)
+    ut, gt = ctx.tensor(u, ("seq", "r")), ctx.tensor(g, ("seq", "out"))
+    outs = []
+    for skinny, rows in ((0, 0), (es.SKINNY, mm.RV_ROWS)):
+        monkeypatch.setattr(es, "SKINNY", skinny)
+        monkeypatch.setattr(mm, "RV_ROWS", rows)
+        es._plan.cache_clear()
+        mm._plans.clear()
+        outs.append(ut._einsum(gt, ("out", "r")).numpy())
+        a, b = ctx.from_numpy(u.T.copy()), ctx.from_numpy(g)
+        assert mm.path_of(a, b) == ("rowvec" if rows else "packed direct-b")
+        outs.append(mm.gemm(ctx, a, b).to_numpy())
+    es._plan.cache_clear()
+    mm._plans.clear()
+    assert_bitwise(outs[0], outs[2])
+    assert_bitwise(outs[1], outs[3])
+    np.testing.assert_allclose(outs[2], g.T.astype(np.float64) @ u, rtol=1e-5, atol=1e-3)

@@ -5,12 +5,15 @@ its strides allow, and copying into that order only when they do not.
 from __future__ import annotations
 
 import functools
+import math
 
 from ..errors import ShapeMismatch, TagError
 from . import elementwise as ew
 from . import reduce as red
 from .matmul import gemm
 from .raw import MAX_RANK, RawTensor, contiguous_strides
+
+SKINNY = 16   # an output side this small (and the other 8x wider) is not made the GEMM's N
 
 
 class Roles:
@@ -127,9 +130,14 @@ def _plan(xtags, xshape, xstrides, ytags, yshape, ystrides, ydtype, out_tags):
     p = _Plan()
     natural = tuple(r.batch) + tuple(r.lfree) + tuple(r.rfree)
     swapped = tuple(r.batch) + tuple(r.rfree) + tuple(r.lfree)
-    p.swap = r.out != natural and r.out == swapped and ydtype == "f32"
-    if p.swap:  # C^T = B^T A^T lands in out order directly (gemm widens 16-bit operands only
-        # on its right side)
+    lm = math.prod(r.sizes[t] for t in r.lfree)
+    rn = math.prod(r.sizes[t] for t in r.rfree)
+    # C^T = B^T A^T lands in out order directly (gemm widens 16-bit operands only on its right
+    # side) — unless that leaves the GEMM a handful of columns against many rows (a LoRA
+    # weight's gradient, [out, r] = gᵀ·u): then the wide product and a copy of its small result
+    p.swap = (r.out != natural and r.out == swapped and ydtype == "f32"
+              and not (lm <= SKINNY and rn >= 8 * SKINNY))
+    if p.swap:
         xtags, xshape, xstrides, ytags, yshape, ystrides = ytags, yshape, ystrides, xtags, xshape, xstrides
         r = einsum_roles("einsum", xtags, xshape, ytags, yshape, r.out)
         natural = swapped

@@ -48,6 +48,8 @@ RV_WIDE = 16             # ... or, for one or two rows of C, RV_WIDE / rows vect
 DOT_RN, DOT_ACC = 8, 24  # dot tile: up to DOT_RN columns, DOT_ACC accumulators
 RV_MAX_B = 1 << 18       # b up to this many elements (1 MiB f32, L2-sized): rowvec, A unpacked
 RV_COLS_K = 16           # rowvec with K at most this: column blocks fastest (C row by row)
+RV_ROWS, RV_ROWS_K = 16, 1024   # up to this many rows of C, K up to this: rowvec, whatever b's
+                                # size (each K x rn*W block of b stays in L2 for the row groups)
 PF_C_MIN = 1 << 20       # a C of this many floats (4 MiB) or more does not stay cached: each
                          # micro-tile prefetches the next one's lines (the head's logits)
 
@@ -259,7 +261,7 @@ def _make_plan(a, b, shape, accumulate, scale) -> Plan:
         _plan_small(plan, "dot", None, (s_am, 1, 1, K), tuple(st * N * K for st in _contig(bs)),
                     *args)
         plan.kind = "dot copied-b"
-    elif K * N <= RV_MAX_B:
+    elif K * N <= RV_MAX_B or (M <= RV_ROWS and K <= RV_ROWS_K and unit_n):
         _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
     else:
         _plan_packed(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
