@@ -426,12 +426,7 @@ def test_c_prefetch_keeps_the_bits(direct, tb, monkeypatch):
     M, K, N = 45, 600, 230
     A, B, C0 = _data(rng, M, K), _data(rng, K, N), _data(rng, M, N)
 
-    def run(ctx):
-        a, b = ctx.from_numpy(A), _operand(ctx, B, tb)
-        acc = ctx.from_numpy(C0)
-        gemm(ctx, a, b, out=acc, accumulate=True)
-        return np.stack([gemm(ctx, a, b).to_numpy(), acc.to_numpy()])
-
+    run = _plain_and_accumulated(A, B, C0, tb)
     outs = []
     for pf_min in (1 << 62, 0):
         _route(monkeypatch, direct)
@@ -441,6 +436,16 @@ def test_c_prefetch_keeps_the_bits(direct, tb, monkeypatch):
         assert {key.pf_c for key in _tile_keys()} == {pf_min == 0}
     mm._plans.clear()
     assert_bitwise(outs[0], outs[1])
+
+
+def _plain_and_accumulated(A, B, C0, tb):
+    """run(ctx) -> [a·b, C0 + a·b] (b stored transposed when tb), for _both_threads."""
+    def run(ctx):
+        a, b = ctx.from_numpy(A), _operand(ctx, B, tb)
+        acc = ctx.from_numpy(C0)
+        gemm(ctx, a, b, out=acc, accumulate=True)
+        return np.stack([gemm(ctx, a, b).to_numpy(), acc.to_numpy()])
+    return run
 
 
 def _tile_keys():
@@ -619,12 +624,7 @@ def test_rowvec_order_keeps_the_bits(monkeypatch):
     rng = np.random.default_rng(13)
     A, B, C0 = _data(rng, 301, 8), _data(rng, 8, 333), _data(rng, 301, 333)
 
-    def run(ctx):
-        a, b = ctx.from_numpy(A), _operand(ctx, B, True)
-        acc = ctx.from_numpy(C0)
-        gemm(ctx, a, b, out=acc, accumulate=True)
-        return np.stack([gemm(ctx, a, b).to_numpy(), acc.to_numpy()])
-
+    run = _plain_and_accumulated(A, B, C0, True)
     outs = []
     for cols_k in (0, 16):
         monkeypatch.setattr(mm, "RV_COLS_K", cols_k)

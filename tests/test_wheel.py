@@ -41,8 +41,11 @@ def test_installed_outside_the_checkout_it_runs(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
+    # without PYTHONPATH (a checkout on it, as under `prewarm --record`, would make pip think
+    # fucina is already installed and skip the wheel)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     p = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                        str(wheel)], capture_output=True, text=True, timeout=300)
+                        str(wheel)], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr
     # the dependencies (numpy, llvmlite, ...) come from this environment through a path entry
     # (appended after the venv's own site-packages, and no .pth of this environment runs, so
@@ -50,7 +53,6 @@ def test_installed_outside_the_checkout_it_runs(wheel, tmp_path):
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     cwd = tmp_path
     where = subprocess.run([str(py), "-c", "import fucina; print(fucina.__file__)"], cwd=cwd,
                            env=env, capture_output=True, text=True, timeout=120)
