@@ -11,7 +11,8 @@ Paths (codegen/gemm.py), chosen from the shapes and strides alone:
             "packed direct-b" when A is one M block (M <= DIRECT_MC_ROWS) and b has a unit
             stride (along n, or along k: b = Wᵀ): only A is packed, the tile kernel reads b's
             panels in place (gemm_tile_direct) — the same bits as packing both.
-  rowvec  — few rows of C (M <= 4) with b contiguous along n, or tiny problems: no packing.
+  rowvec  — few rows of C (M <= 4, or M <= 16 with K <= 1024) with b contiguous along n, or
+            tiny problems: no packing.
   dot     — few rows (or few columns) of C with a and b contiguous along k (x · Wᵀ for one
             token, a skinny output): dot products vectorised along k.
 Every path fixes the order of each element's k-sum by the shape, so a result is bitwise
