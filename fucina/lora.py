@@ -12,10 +12,12 @@ delta(x) = scale·(dropout(x)·Aᵀ)·Bᵀ, scale = f32(alpha)/f32(rank), with A
 ("lora_r", in_tag), kaiming-uniform from the seed (RNG-10, row-major, fan_in = in), and
 B: [out, rank] tagged (out_tag, "lora_r"), zeros — so the initial delta is exactly zero. The op
 chain is dropout → dot(A, in_tag) → dot(B, "lora_r") → scale, always that order (the grads of
-a checkpoint's resume depend on it); apply runs the scale and the add as one pass over the
-output (ag.elementwise.add_scaled: the same two roundings and gradients, no scaled copy). A and
-B are caller-owned variables, never scope-adopted; everything else is a plain op, so the
-backward rules are those of dropout, dot and scale.
+a checkpoint's resume depend on it; dropout with p = 0 is the identity and is skipped); apply
+runs the scale and the add as one pass over the output (ag.elementwise.add_scaled), or, with
+reuse_base, inside the product's GEMM straight into base's buffer (ag.matmul.
+add_scaled_dot_into) — the same two roundings and gradients either way. A and B are
+caller-owned variables, never scope-adopted; everything else is a plain op, so the backward
+rules are those of dropout, dot and scale.
 
 Lifetime: delta/apply are composite ops; a result that will be backward()'d needs an open exec
 scope (SPEC §3.0: ActiveExecScopeRequired otherwise). A and B are variables, so under grad mode

@@ -93,12 +93,14 @@ def add_scaled(x, y, s: float):
     ctx = x._raw.ctx
     shape = x._raw.shape
     out = ew.run(ctx, "add_scaled", "f32", shape, (x._raw, y._raw, s))
+    return finish_op("add_scaled", out, x.tags, (x, y),
+                     lambda needs: functools.partial(add_scaled_grads, ctx, shape, s, needs))
 
-    def vjp(needs):
-        return lambda g: (g if needs[0] else None,
-                          ew.run(ctx, "mul", "f32", shape, (g, s)) if needs[1] else None)
 
-    return finish_op("add_scaled", out, x.tags, (x, y), vjp)
+def add_scaled_grads(ctx, shape, s, needs, g):
+    """x + s·y's gradients: g for x, s·g (rounded) for y, each only when needed."""
+    return (g if needs[0] else None,
+            ew.run(ctx, "mul", "f32", shape, (g, s)) if needs[1] else None)
 
 
 def with_scalar(op: str, x, s: float, reflected: bool):

@@ -16,6 +16,7 @@ from ..exec import reduce as red
 from ..exec.matmul import gemm
 from ..exec.dtypes import BLOCKS
 from .checks import same_ctx
+from .elementwise import add_scaled_grads
 from .engine import finish_op, needs_graph
 from .matmul_bf16 import bf16_dot
 from .quant import quantized_dot, refuse_einsum
@@ -110,10 +111,11 @@ def add_scaled_dot_into(base, x, y, tag: str, s: float):
 
 
 def _add_scaled_dot_grads(saved, dot_saved, needs, g):
+    """add_scaled's gradients for base and the product, then the dot's rule on the latter."""
     ctx, s, shape = saved
-    gs = ew.run(ctx, "mul", "f32", shape, (g, s)) if needs[1] or needs[2] else None
+    gb, gs = add_scaled_grads(ctx, shape, s, (needs[0], needs[1] or needs[2]), g)
     gx, gy = _einsum_grads(dot_saved, needs[1:], gs) if gs is not None else (None, None)
-    return (g if needs[0] else None), gx, gy
+    return gb, gx, gy
 
 
 def einsum_many(out_tags, operands):

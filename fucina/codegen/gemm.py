@@ -483,7 +483,10 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                        _zero_mask(W)) for v in range(V)] for r in range(R)]
 
-                    def tile_io(ptr, load, add=False, scaled=False):
+                    def tile_io(ptr, load, add=False, scaled=None):
+                        """Load the micro-tile from ptr, or store the accumulators there (added
+                        to what it holds with `add`; times `scale` where the i1 `scaled` is
+                        set)."""
                         out = []
                         for r in range(R):
                             for v in range(V):
@@ -492,8 +495,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                                     out.append(u.load(b, ptr, idx, "f32", W, masks[r][v]))
                                 else:
                                     x = b.load(accs[r][v])
-                                    if scaled:
-                                        x = _scaled(b, x, scale)
+                                    if scaled is not None:
+                                        x = b.select(scaled, _scaled(b, x, scale), x)
                                     if add:
                                         x = b.fadd(u.load(b, ptr, idx, "f32", W, masks[r][v]), x)
                                     u.store(b, x, ptr, idx, "f32", masks[r][v])
@@ -528,19 +531,13 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                         step(k)
 
                     final_add = b.and_(last, accumulate)
-                    scaled = scale != 1.0
+                    # the final sums are scaled; partial sums of earlier k blocks are not
+                    scaled = last if scale != 1.0 else None
                     with b.if_else(final_add) as (then, other):
                         with then:
                             tile_io(C, False, add=True, scaled=scaled)
                         with other:
-                            if not scaled:
-                                tile_io(dst, False)
-                            else:       # partial sums of earlier k blocks stay unscaled
-                                with b.if_else(last) as (fin, part):
-                                    with fin:
-                                        tile_io(C, False, scaled=True)
-                                    with part:
-                                        tile_io(dst, False)
+                            tile_io(dst, False, scaled=scaled)
     b.ret_void()
     return mod
 
