@@ -1,27 +1,27 @@
-"""Row kernels of grouped attention (SPEC §3.12). The matrix products (q·kᵀ, p·v and the
-backward ones) run on the GEMM kernels; these kernels do everything between them, over score
-rows [R, kb] of one (query block, key block) tile, row r = head·Bq + i (query i of the block).
+"""Grouped attention kernels (SPEC §3.12): the fused training forward and backward, the
+decode step and a row dot.
 
-Every row sees keys [lo, hi) of the block: hi = clamp(hi0 + i, 0, kb) (causal: query i attends
-keys up to its own position), lo = clamp(lo0 + i, 0, hi) (sliding window); columns outside are
-masked. z = s·scale (+ bias[i, c] when the key has a bias).
+  forward   FlashAttention-2's forward, one launch: a chunk is one head's tile of BQ queries;
+            over the key tiles of BK keys it may attend, s = q·kᵀ into a stack tile, the
+            online softmax per row (running max m and sum l; p = e^(z − m), the running o
+            rescaled by e^(m_old − m)), o += p·v; then out = o / l, lse = m + ln l.
+  backward  its backward, one launch: a chunk is one head and one of two parts of the key
+            tiles; per key tile (dk, dv on the stack) over the query tiles that may attend it:
+            s = q·kᵀ, p = e^(z − lse), dv += pᵀ·dout, dp = dout·vᵀ, ds = p·(dp − D)·scale,
+            dk += dsᵀ·q, dq[part] += ds·k. The caller adds the two parts of dq and the G query
+            heads' dk, dv in a fixed order.
+  rowdot    D[head, q] = Σ_d a[q, head, :]·b[q, head, :] (the backward's D = Σ dout·out).
+  decode    one query row per head against keys [max(0, T − w), T) of an f32 or f16 cache (w = 0:
+            all), W keys at a time: their W scores side by side, an online softmax over the
+            blocks (no scratch sized by T: a decode step's buffers do not depend on the
+            position, so the step can be recorded and replayed).
 
-  online   the online-softmax step of the forward: m' = max(m, max z), alpha = e^(m − m'),
-           p = e^(z − m') written over s (0 outside [lo, hi)), l' = l·alpha + Σ p, o *= alpha
-           (the caller then adds p·v into o). `first` starts m = −inf, l = 0 and leaves o alone
-           (the first p·v overwrites it). A row with nothing to attend keeps alpha = 1, p = 0.
-  finish   out = o / l written at the row's place in the [seq, head, d] result, lse = m + ln l
-           (0 and −inf for a row that attended nothing).
-  probs    backward: p = e^(z − lse) over s, 0 outside [lo, hi).
-  dscores  backward: ds = p·(dp − D)·scale written over dp (D = Σ_d dout·out of the row).
-  rowdot   D[head, q] = Σ_d a[q, head, :]·b[q, head, :].
-  decode   one query row per head against keys [max(0, T − w), T) of an f32 or f16 cache (w = 0:
-           all), W keys at a time: their W scores side by side, an online softmax over the
-           blocks (no scratch sized by T: a decode step's buffers do not depend on the
-           position, so the step can be recorded and replayed).
-
-Sums and maxima fold in the fixed order of rows.fold_pass, and a row never spans two work items,
-so the bits do not depend on the thread count.
+In the fused kernels, the row of query i (absolute position T − S + i) sees keys [lo, hi) of a
+key tile: causal, keys up to its own position; with a window w > 0, only the last w of those;
+columns outside are masked; z = s·scale (+ bias[i, key] when the forward has a bias). Their
+products are micro-GEMMs between stack tiles (_mm): one FMA chain per element in a fixed order.
+Sums and maxima fold in the fixed order of rows.fold_pass, and each result element is written
+by one chunk only, so no bit depends on the thread count.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
+from . import gemm
 from . import irutil as u
 from . import vmath
 from .emit import fold, lane_tree
@@ -36,15 +37,15 @@ from .kernels import KernelKey, register
 from .rows import accs_of, fadd, finite, fmax, fold_pass, map_pass
 from .target import host
 
-OPS = ("online", "finish", "probs", "dscores", "rowdot", "decode")
+OPS = ("forward", "backward", "rowdot", "decode")
 
 
 @register
 @dataclass(frozen=True)
 class AttentionKey(KernelKey):
-    """op in OPS; bias: an additive [q, kv] f32 bias on the scaled scores (online, probs);
-    kv: the dtype of the keys and values (decode reads an f16 cache as it is); d, row: see
-    _decode."""
+    """op in OPS; bias: an additive [q, kv] f32 bias on the scaled scores (forward); kv: the
+    dtype of the keys and values (decode reads an f16 cache as it is); d: the head size
+    (decode: see _decode); bq, bk: the fused kernels' query and key tiles."""
 
     family = "attention"
     op: str
@@ -52,12 +53,13 @@ class AttentionKey(KernelKey):
     kv: str = "f32"
     d: int = 0      # decode: the head size and the cache's elements per position, when fixed
     row: int = 0    # at build time (0: both runtime arguments)
+    bq: int = 0
+    bk: int = 0
 
     def ir(self, symbol: str) -> str:
         if self.op not in OPS:
             raise ValueError(f"attention kernel: unknown op {self.op!r}")
-        return u.module(symbol, {"online": _online, "finish": _finish, "probs": _probs,
-                                 "dscores": _dscores, "rowdot": _rowdot,
+        return u.module(symbol, {"forward": _fwd, "backward": _bwd, "rowdot": _rowdot,
                                  "decode": _decode}[self.op], self)
 
 
@@ -68,13 +70,6 @@ def _rows(b, c0, c1, per, R):
 def _clamp(b, v, lo, hi):
     v = b.select(b.icmp_signed("<", v, lo), lo, v)
     return b.select(b.icmp_signed(">", v, hi), hi, v)
-
-
-def _window(b, i, hi0, lo0, kb):
-    """[lo, hi) of the keys row i of the block attends."""
-    hi = _clamp(b, b.add(hi0, i), u.i64(0), kb)
-    lo = _clamp(b, b.add(lo0, i), u.i64(0), hi)
-    return lo, hi
 
 
 def _scores(key, b, sb, biasb, scales, W):
@@ -91,120 +86,6 @@ def _zero_outside(b, row, lo, hi, kb, W):
     zero = u.const(ir.VectorType(u.F32, W), 0.0)
     map_pass(b, u.i64(0), lo, W, lambda c, m: u.store(b, zero, row, c, "f32", m))
     map_pass(b, hi, kb, W, lambda c, m: u.store(b, zero, row, c, "f32", m))
-
-
-def _online(key, b, args, c0, c1):
-    """args: s, o, m, l, bias, R, kb, d, scale, Bq, hi0, lo0, first, per, bias row stride."""
-    W = host().f32_lanes
-    vt = ir.VectorType(u.F32, W)
-    s, o, mp, lp, bias = (u.arg_ptr(b, args, i) for i in range(5))
-    R, kb, d = (u.arg(b, args, i) for i in (5, 6, 7))
-    scales = u.splat(b, u.arg_f32(b, args, 8), W)
-    Bq, hi0, lo0, first, per, bstride = (u.arg(b, args, i) for i in range(9, 15))
-    is_first = b.icmp_signed("!=", first, u.i64(0))
-    r0, r1 = _rows(b, c0, c1, per, R)
-    mx = accs_of(b, vt, float("-inf"))
-    sx = accs_of(b, vt, 0.0)
-    ninf = u.const(u.F32, float("-inf"))
-    with u.Loop(b, r0, r1, 1, "r") as r:
-        i = b.srem(r, Bq)
-        lo, hi = _window(b, i, hi0, lo0, kb)
-        sb = b.gep(s, [b.mul(r, kb)], source_etype=u.F32)
-        biasb = b.gep(bias, [b.mul(i, bstride)], source_etype=u.F32) if key.bias else None
-        z = _scores(key, b, sb, biasb, scales, W)
-        for p in mx:
-            b.store(u.const(vt, float("-inf")), p)
-        fold_pass(b, lo, hi, W, mx, z, fmax, float("-inf"))
-        m_old = b.select(is_first, ninf, u.load(b, mp, r, "f32"))
-        l_old = b.select(is_first, u.const(u.F32, 0.0), u.load(b, lp, r, "f32"))
-        m_new = fmax(b, fold(b, mx, fmax), m_old)
-        fin = finite(b, m_new)
-        shift = b.select(fin, m_new, u.const(u.F32, 0.0))
-        alpha = b.select(fin, vmath.exp(b, b.fsub(m_old, shift)), u.const(u.F32, 1.0))
-        ms = u.splat(b, shift, W)
-
-        def e(c, msk):
-            v = vmath.exp(b, b.fsub(z(c, msk), ms))
-            u.store(b, v, sb, c, "f32", msk)
-            return v
-
-        for p in sx:
-            b.store(u.const(vt, 0.0), p)
-        fold_pass(b, lo, hi, W, sx, e, fadd, 0.0)
-        _zero_outside(b, sb, lo, hi, kb, W)
-        u.store(b, b.fadd(b.fmul(l_old, alpha), fold(b, sx, fadd)), lp, r, "f32")
-        u.store(b, m_new, mp, r, "f32")
-        with b.if_then(b.not_(is_first)):
-            ob = b.gep(o, [b.mul(r, d)], source_etype=u.F32)
-            av = u.splat(b, alpha, W)
-            map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(
-                b, b.fmul(u.load(b, ob, c, "f32", W, msk), av), ob, c, "f32", msk))
-
-
-def _finish(key, b, args, c0, c1):
-    """args: o, m, l, out, lse, R, d, Bq, per, out row stride, lse head stride.
-    Row r = h·Bq + i goes to out + i·ostride + h·d and lse[h·lstride + i]."""
-    W = host().f32_lanes
-    o, mp, lp, out, lse = (u.arg_ptr(b, args, i) for i in range(5))
-    R, d, Bq, per, ostride, lstride = (u.arg(b, args, i) for i in range(5, 11))
-    r0, r1 = _rows(b, c0, c1, per, R)
-    with u.Loop(b, r0, r1, 1, "r") as r:
-        h, i = b.sdiv(r, Bq), b.srem(r, Bq)
-        l = u.load(b, lp, r, "f32")
-        some = b.fcmp_ordered(">", l, u.const(u.F32, 0.0))
-        inv = b.select(some, b.fdiv(u.const(u.F32, 1.0), l), u.const(u.F32, 0.0))
-        lse_v = b.select(some, b.fadd(u.load(b, mp, r, "f32"), vmath.log(b, l)),
-                         u.const(u.F32, float("-inf")))
-        u.store(b, lse_v, lse, b.add(b.mul(h, lstride), i), "f32")
-        ob = b.gep(o, [b.mul(r, d)], source_etype=u.F32)
-        yb = b.gep(out, [b.add(b.mul(i, ostride), b.mul(h, d))], source_etype=u.F32)
-        iv = u.splat(b, inv, W)
-        map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(
-            b, b.fmul(u.load(b, ob, c, "f32", W, msk), iv), yb, c, "f32", msk))
-
-
-def _probs(key, b, args, c0, c1):
-    """args: s, lse, bias, R, kb, scale, Bq, hi0, lo0, per, bias row stride, lse head stride."""
-    W = host().f32_lanes
-    s, lse, bias = (u.arg_ptr(b, args, i) for i in range(3))
-    R, kb = u.arg(b, args, 3), u.arg(b, args, 4)
-    scales = u.splat(b, u.arg_f32(b, args, 5), W)
-    Bq, hi0, lo0, per, bstride, lstride = (u.arg(b, args, i) for i in range(6, 12))
-    r0, r1 = _rows(b, c0, c1, per, R)
-    with u.Loop(b, r0, r1, 1, "r") as r:
-        h, i = b.sdiv(r, Bq), b.srem(r, Bq)
-        lo, hi = _window(b, i, hi0, lo0, kb)
-        sb = b.gep(s, [b.mul(r, kb)], source_etype=u.F32)
-        biasb = b.gep(bias, [b.mul(i, bstride)], source_etype=u.F32) if key.bias else None
-        z = _scores(key, b, sb, biasb, scales, W)
-        lv = u.load(b, lse, b.add(b.mul(h, lstride), i), "f32")
-        fin = finite(b, lv)
-        hi = b.select(fin, hi, lo)   # a row that attended nothing has p = 0 everywhere
-        ls = u.splat(b, lv, W)
-        map_pass(b, lo, hi, W, lambda c, m: u.store(
-            b, vmath.exp(b, b.fsub(z(c, m), ls)), sb, c, "f32", m))
-        _zero_outside(b, sb, lo, hi, kb, W)
-
-
-def _dscores(key, b, args, c0, c1):
-    """args: p, dp, D, R, kb, scale, Bq, per, D head stride."""
-    W = host().f32_lanes
-    p, dp, D = (u.arg_ptr(b, args, i) for i in range(3))
-    R, kb = u.arg(b, args, 3), u.arg(b, args, 4)
-    scales = u.splat(b, u.arg_f32(b, args, 5), W)
-    Bq, per, dstride = (u.arg(b, args, i) for i in range(6, 9))
-    r0, r1 = _rows(b, c0, c1, per, R)
-    with u.Loop(b, r0, r1, 1, "r") as r:
-        h, i = b.sdiv(r, Bq), b.srem(r, Bq)
-        dv = u.splat(b, u.load(b, D, b.add(b.mul(h, dstride), i), "f32"), W)
-        pb = b.gep(p, [b.mul(r, kb)], source_etype=u.F32)
-        gb = b.gep(dp, [b.mul(r, kb)], source_etype=u.F32)
-
-        def body(c, m):
-            pv = u.load(b, pb, c, "f32", W, m)
-            v = b.fmul(b.fmul(pv, b.fsub(u.load(b, gb, c, "f32", W, m), dv)), scales)
-            u.store(b, v, gb, c, "f32", m)
-        map_pass(b, u.i64(0), kb, W, body)
 
 
 def _rowdot(key, b, args, c0, c1):
@@ -343,3 +224,317 @@ def _decode(key, b, args, c0, c1):
         map_pass(b, u.i64(0), d, W, lambda c, msk: u.store(
             b, b.fmul(u.load(b, ob, c, "f32", W, msk), inv), ob, c, "f32", msk))
         u.store(b, b.select(some, b.fadd(m, vmath.log(b, l)), ninf), lse, h, "f32")
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused training kernels (FlashAttention-2): one launch per forward, one per backward
+
+NB = 2   # output vectors per micro-tile: MR x NB accumulators (8 x 2 zmm on AVX-512)
+
+
+def _pad(n, m):
+    return -(-n // m) * m
+
+
+def _mm(b, n, nvec, K, a_at, b_at, init, fin):
+    """A micro-GEMM between the kernel's tiles: rows [0, n) in groups of MR (the last group
+    may run past n: callers keep those rows in bounds and never use them), nvec W-wide output
+    vectors in blocks of NB; acc = init(row, v), then acc = fma(a_at(row, k), b_at(k, v), acc)
+    for k = 0 .. K − 1 in order, then fin(row, v, acc). One FMA chain per element in a fixed
+    order, so the bits depend on the shapes alone."""
+    W, R = host().f32_lanes, gemm.mr()
+    vt = ir.VectorType(u.F32, W)
+    for v0 in range(0, nvec, NB):
+        vs = range(v0, min(v0 + NB, nvec))
+        accs = [[u.entry_alloca(b, vt) for _ in vs] for _ in range(R)]
+        with u.Loop(b, u.i64(0), n, R, "mr") as i0:
+            rows = [b.add(i0, u.i64(r)) for r in range(R)]
+            for r in range(R):
+                for a, v in zip(accs[r], vs):
+                    b.store(init(rows[r], v), a)
+
+            def step(k):
+                bv = [b_at(k, v) for v in vs]
+                for r in range(R):
+                    av = u.splat(b, a_at(rows[r], k), W)
+                    for a, x in zip(accs[r], bv):
+                        b.store(vmath.fma(b, av, x, b.load(a)), a)
+
+            kmain = b.sub(K, b.srem(K, u.i64(gemm.UNROLL)))
+            with u.Loop(b, u.i64(0), kmain, gemm.UNROLL, "mk") as k:
+                for s in range(gemm.UNROLL):
+                    step(b.add(k, u.i64(s)))
+            with u.Loop(b, kmain, K, 1, "mkr") as k:
+                step(k)
+            for r in range(R):
+                for a, v in zip(accs[r], vs):
+                    fin(rows[r], v, b.load(a))
+
+
+class _Tiles:
+    """The compile-time tile of a fused kernel (key.d, key.bq queries, key.bk keys), its stack
+    buffers, and the products and row passes both kernels run."""
+
+    def __init__(self, key, b, T):
+        W = host().f32_lanes
+        self.b, self.W = b, W
+        self.ntiles = b.sdiv(b.add(T, u.i64(key.bk - 1)), u.i64(key.bk))
+        self.vt = ir.VectorType(u.F32, W)
+        self.D, self.BQ, self.BK = key.d, key.bq, key.bk
+        self.DV = -(-self.D // W)               # vectors along d
+        self.DP = self.DV * W                   # a stack row of d values
+        self.KV = self.BK // W                  # vectors along a key tile
+        self.RQ = _pad(self.BQ, gemm.mr())      # stack rows: whole micro-tiles
+        self.RK = _pad(self.BK, gemm.mr())
+        self.dmask = [None if (v + 1) * W <= self.D
+                      else u.tail_mask(b, u.i64(self.D - v * W), W) for v in range(self.DV)]
+
+    def buffer(self, rows, width):
+        """A stack tile of `rows` rows of `width`, with a row of slack: a micro-tile's rows
+        past the tile may read (never use) a little beyond its end."""
+        return gemm.panel_buffer(self.b, (rows + 1) * width)
+
+    def fill(self, buf, n, value):
+        b = self.b
+        x = u.const(self.vt, value)
+        map_pass(b, u.i64(0), n, self.W, lambda c, m: u.store(b, x, buf, c, "f32", m))
+
+    def zero_d(self, buf, off):
+        """The D values at buf[off ..] set to 0."""
+        for v in range(self.DV):
+            u.store(self.b, u.const(self.vt, 0.0), buf, self.b.add(off, u.i64(v * self.W)),
+                    "f32", self.dmask[v])
+
+    def key_masks(self, nk):
+        return [gemm.mask_upto(self.b, self.b.sub(nk, u.i64(v * self.W)), self.W)
+                for v in range(self.KV)]
+
+    def panel(self, xT, kvh, k0):
+        """The [D, BK] panel of the key tile at k0 in a [KVH, key tiles, D, BK] operand."""
+        b = self.b
+        tile = b.add(b.mul(kvh, self.ntiles), b.sdiv(k0, u.i64(self.BK)))
+        return b.gep(xT, [b.mul(tile, u.i64(self.D * self.BK))], source_etype=u.F32)
+
+    def scores(self, dst, x, xrow, nq, xT, kmask):
+        """dst[i, j] = Σ_d x[xrow(i) + d]·xT[d·BK + j] (in d order) for the rows i < nq of
+        the query tile (rounded up to MR) and the BK columns of the key tile; xT is the tile's
+        panel (self.panel), keys past the tile's nk read as 0."""
+        b, W = self.b, self.W
+        _mm(b, nq, self.KV, u.i64(self.D),
+            lambda i, d: u.load(b, x, b.add(xrow(i), d), "f32"),
+            lambda d, v: u.load(b, xT, b.add(b.mul(d, u.i64(self.BK)), u.i64(v * W)), "f32", W,
+                                kmask[v]),
+            lambda i, v: u.const(self.vt, 0.0),
+            lambda i, v, acc: u.store(b, acc, dst, self.at(i, v), "f32"))
+
+    def at(self, i, v, width=None):
+        """Element offset of vector v of stack row i (rows of BK values, or of `width`)."""
+        return self.b.add(self.b.mul(i, u.i64(width or self.BK)), u.i64(v * self.W))
+
+    def rows_into(self, acc, n, K, a_at, x, xrow):
+        """acc[r, :D] += Σ_k a_at(r, k)·x[xrow(k) + :D] for the stack rows r < n (k in order):
+        a product whose B rows are d values in memory (v, k, q or dout rows)."""
+        b, W = self.b, self.W
+        _mm(b, n, self.DV, K, a_at,
+            lambda k, v: u.load(b, x, b.add(xrow(k), u.i64(v * W)), "f32", W, self.dmask[v]),
+            lambda r, v: u.load(b, acc, self.at(r, v, self.DP), "f32", W),
+            lambda r, v, s: u.store(b, s, acc, self.at(r, v, self.DP), "f32"))
+
+    def bounds(self, pos, k0, nk, causal, window):
+        """[lo, hi) of the key tile at k0 that the query at absolute position pos attends."""
+        b = self.b
+        hi = b.select(causal, _clamp(b, b.sub(b.add(pos, u.i64(1)), k0), u.i64(0), nk), nk)
+        wlo = _clamp(b, b.sub(b.add(b.sub(pos, window), u.i64(1)), k0), u.i64(0), hi)
+        lo = b.select(b.icmp_signed(">", window, u.i64(0)), wlo, u.i64(0))
+        return lo, hi
+
+
+def _fwd(key, b, args, c0, c1):
+    """args: q [S, H, D], kT [KVH, key tiles, D, BK], v [T, KVH, D], out [S, H·D] (row stride H·D), lse
+    [H, S], bias [S, ·] (key.bias), S, T, H, KVH, scale, causal, window, query tiles, bias row
+    stride. Chunk = (head h, query tile), h outer. The tile's queries run over the key tiles
+    they may attend: s = q·kᵀ (stack), the online softmax per row (running max m, sum l;
+    p = e^(z − m) over s, alpha = e^(m_old − m)), o = alpha·o + p·v (the FMA chain starts from
+    the rescaled o); at the end out = o / l, lse = m + ln l (0 and −inf for a row that attended
+    nothing)."""
+    q, kT, v, out, lse, bias = (u.arg_ptr(b, args, i) for i in range(6))
+    S, T, H, KVH = (u.arg(b, args, i) for i in range(6, 10))
+    scale = u.arg_f32(b, args, 10)
+    causal = b.icmp_signed("!=", u.arg(b, args, 11), u.i64(0))
+    window, nqb, bstride = (u.arg(b, args, i) for i in range(12, 15))
+    t = _Tiles(key, b, T)
+    W, D, BQ, BK, DP = t.W, t.D, t.BQ, t.BK, t.DP
+    s = t.buffer(t.RQ, BK)
+    o = t.buffer(t.RQ, DP)
+    mrow, lrow, arow = (t.buffer(t.RQ, 1) for _ in range(3))
+    scales = u.splat(b, scale, W)
+    mx, sx = accs_of(b, t.vt, float("-inf")), accs_of(b, t.vt, 0.0)
+    ninf, zero1, one = (u.const(u.F32, x) for x in (float("-inf"), 0.0, 1.0))
+    HD, KD, off = b.mul(H, u.i64(D)), b.mul(KVH, u.i64(D)), b.sub(T, S)
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        h, qt = b.sdiv(c, nqb), b.srem(c, nqb)
+        q0 = b.mul(qt, u.i64(BQ))
+        nq = u.smin(b, u.i64(BQ), b.sub(S, q0))
+        kvh = b.sdiv(h, b.sdiv(H, KVH))
+        last = b.sub(S, u.i64(1))
+        qrow = lambda i: b.add(b.mul(u.smin(b, b.add(q0, i), last), HD), b.mul(h, u.i64(D)))  # noqa: E731
+        t.fill(mrow, u.i64(t.RQ), float("-inf"))
+        t.fill(lrow, u.i64(t.RQ), 0.0)
+        t.fill(arow, u.i64(t.RQ), 1.0)
+        t.fill(o, u.i64(t.RQ * DP), 0.0)
+        kend = b.select(causal, u.smin(b, T, b.add(off, b.add(q0, nq))), T)
+        wstart = b.add(b.sub(b.add(off, q0), window), u.i64(1))
+        wstart = b.select(b.icmp_signed("<", wstart, u.i64(0)), u.i64(0), wstart)
+        kstart = b.select(b.and_(causal, b.icmp_signed(">", window, u.i64(0))), wstart, u.i64(0))
+        kfirst = b.mul(b.sdiv(kstart, u.i64(BK)), u.i64(BK))
+        with u.Loop(b, kfirst, kend, BK, "k0") as k0:
+            nk = u.smin(b, u.i64(BK), b.sub(kend, k0))
+            t.scores(s, q, qrow, nq, t.panel(kT, kvh, k0), t.key_masks(nk))
+            with u.Loop(b, u.i64(0), nq, 1, "r") as i:
+                lo, hi = t.bounds(b.add(off, b.add(q0, i)), k0, nk, causal, window)
+                sb = b.gep(s, [b.mul(i, u.i64(BK))], source_etype=u.F32)
+                biasb = (b.gep(bias, [b.add(b.mul(b.add(q0, i), bstride), k0)],
+                               source_etype=u.F32) if key.bias else None)
+                z = _scores(key, b, sb, biasb, scales, W)
+                for p in mx:
+                    b.store(u.const(t.vt, float("-inf")), p)
+                fold_pass(b, lo, hi, W, mx, z, fmax, float("-inf"))
+                m_old, l_old = u.load(b, mrow, i, "f32"), u.load(b, lrow, i, "f32")
+                m_new = fmax(b, fold(b, mx, fmax), m_old)
+                fin = finite(b, m_new)
+                shift = b.select(fin, m_new, zero1)
+                alpha = b.select(fin, vmath.exp(b, b.fsub(m_old, shift)), one)
+                ms = u.splat(b, shift, W)
+
+                def e(col, msk):
+                    x = vmath.exp(b, b.fsub(z(col, msk), ms))
+                    u.store(b, x, sb, col, "f32", msk)
+                    return x
+
+                for p in sx:
+                    b.store(u.const(t.vt, 0.0), p)
+                fold_pass(b, lo, hi, W, sx, e, fadd, 0.0)
+                _zero_outside(b, sb, lo, hi, nk, W)
+                u.store(b, b.fadd(b.fmul(l_old, alpha), fold(b, sx, fadd)), lrow, i, "f32")
+                u.store(b, m_new, mrow, i, "f32")
+                u.store(b, alpha, arow, i, "f32")
+            vrow = lambda j: b.add(b.mul(b.add(k0, j), KD), b.mul(kvh, u.i64(D)))  # noqa: E731
+            _mm(b, nq, t.DV, nk,
+                lambda i, j: u.load(b, s, b.add(b.mul(i, u.i64(BK)), j), "f32"),
+                lambda j, vv: u.load(b, v, b.add(vrow(j), u.i64(vv * W)), "f32", W, t.dmask[vv]),
+                lambda i, vv: b.fmul(u.load(b, o, t.at(i, vv, DP), "f32", W),
+                                     u.splat(b, u.load(b, arow, i, "f32"), W)),
+                lambda i, vv, acc: u.store(b, acc, o, t.at(i, vv, DP), "f32"))
+        with u.Loop(b, u.i64(0), nq, 1, "r") as i:
+            m, l = u.load(b, mrow, i, "f32"), u.load(b, lrow, i, "f32")
+            some = b.fcmp_ordered(">", l, zero1)
+            inv = u.splat(b, b.select(some, b.fdiv(one, l), zero1), W)
+            u.store(b, b.select(some, b.fadd(m, vmath.log(b, l)), ninf), lse,
+                    b.add(b.mul(h, S), b.add(q0, i)), "f32")
+            orow = b.add(b.mul(b.add(q0, i), HD), b.mul(h, u.i64(D)))
+            for vv in range(t.DV):
+                x = b.fmul(u.load(b, o, t.at(i, vv, DP), "f32", W), inv)
+                u.store(b, x, out, b.add(orow, u.i64(vv * W)), "f32", t.dmask[vv])
+
+
+def _bwd(key, b, args, c0, c1):
+    """args: q, k (as the forward's), kT, vT [KVH, key tiles, D, BK], dout [S, H, D], lse and Dr [H, S]
+    (Dr = Σ_d dout·out per row), dq [parts, S, H, D], dk, dv [G, T, KVH, D], S, T, H, KVH,
+    scale, causal, window, split, parts, kv (0: no dk, dv). Chunk = (head h, part), h outer:
+    part 0 takes key tiles [0, split), part 1 [split, ·) (parts = 1: all). Per key tile (its dk,
+    dv on the stack) the query tiles that may attend it, in order: s = q·kᵀ, p = e^(z − lse),
+    dv += pᵀ·dout, dp = dout·vᵀ, ds = p·(dp − Dr)·scale, dk += dsᵀ·q, dq[part] += ds·k. Each
+    chunk owns its rows of dq[part] and dk, dv[h mod G]: the caller adds the parts and the
+    group's heads in a fixed order, so no result depends on the thread count."""
+    q, k, kT, vT, g, lse, Dr, dq, dk, dv = (u.arg_ptr(b, args, i) for i in range(10))
+    S, T, H, KVH = (u.arg(b, args, i) for i in range(10, 14))
+    scale = u.arg_f32(b, args, 14)
+    causal = b.icmp_signed("!=", u.arg(b, args, 15), u.i64(0))
+    window, split, parts = (u.arg(b, args, i) for i in range(16, 19))
+    kv = b.icmp_signed("!=", u.arg(b, args, 19), u.i64(0))
+    t = _Tiles(key, b, T)
+    W, D, BQ, BK, DP = t.W, t.D, t.BQ, t.BK, t.DP
+    p = t.buffer(t.RQ, BK)
+    ds = t.buffer(t.RQ, BK)
+    dka = t.buffer(t.RK, DP)
+    dva = t.buffer(t.RK, DP)
+    scales = u.splat(b, scale, W)
+    G = b.sdiv(H, KVH)
+    HD, KD, off = b.mul(H, u.i64(D)), b.mul(KVH, u.i64(D)), b.sub(T, S)
+    nkt = b.sdiv(b.add(T, u.i64(BK - 1)), u.i64(BK))
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        h, part = b.sdiv(c, parts), b.srem(c, parts)
+        kvh, gi = b.sdiv(h, G), b.srem(h, G)
+        hd = b.mul(h, u.i64(D))
+        last = b.sub(S, u.i64(1))
+        qrow = lambda i: b.add(b.mul(u.smin(b, i, last), HD), hd)  # noqa: E731
+        dqh = b.gep(dq, [b.mul(part, b.mul(S, HD))], source_etype=u.F32)
+        with u.Loop(b, u.i64(0), S, 1, "z") as i:
+            t.zero_d(dqh, qrow(i))
+        first = b.icmp_signed("==", part, u.i64(0))
+        kt0 = b.select(first, u.i64(0), split)
+        kt1 = b.select(b.and_(first, b.icmp_signed(">", parts, u.i64(1))), split, nkt)
+        with u.Loop(b, kt0, kt1, 1, "kt") as kt:
+            k0 = b.mul(kt, u.i64(BK))
+            nk = u.smin(b, u.i64(BK), b.sub(T, k0))
+            kmask = t.key_masks(nk)
+            t.fill(dka, u.i64(t.RK * DP), 0.0)
+            t.fill(dva, u.i64(t.RK * DP), 0.0)
+            qlo = b.select(causal, b.sub(k0, off), u.i64(0))
+            qlo = b.select(b.icmp_signed("<", qlo, u.i64(0)), u.i64(0), qlo)
+            whi = u.smin(b, S, b.sub(b.add(b.add(k0, nk), window), b.add(off, u.i64(1))))
+            qhi = b.select(b.and_(causal, b.icmp_signed(">", window, u.i64(0))), whi, S)
+            krow = lambda j: b.add(b.mul(b.add(k0, j), KD), b.mul(kvh, u.i64(D)))  # noqa: E731
+            with u.Loop(b, b.mul(b.sdiv(qlo, u.i64(BQ)), u.i64(BQ)), qhi, BQ, "q0") as q0:
+                nq = u.smin(b, u.i64(BQ), b.sub(S, q0))
+                rowq = lambda i: qrow(b.add(q0, i))  # noqa: E731
+                t.scores(p, q, rowq, nq, t.panel(kT, kvh, k0), kmask)
+                with u.Loop(b, u.i64(0), nq, 1, "r") as i:
+                    lo, hi = t.bounds(b.add(off, b.add(q0, i)), k0, nk, causal, window)
+                    lv = u.load(b, lse, b.add(b.mul(h, S), b.add(q0, i)), "f32")
+                    hi = b.select(finite(b, lv), hi, lo)   # a row that attended nothing: p = 0
+                    sb = b.gep(p, [b.mul(i, u.i64(BK))], source_etype=u.F32)
+                    z = _scores(key, b, sb, None, scales, W)
+                    ls = u.splat(b, lv, W)
+                    map_pass(b, lo, hi, W, lambda col, m: u.store(
+                        b, vmath.exp(b, b.fsub(z(col, m), ls)), sb, col, "f32", m))
+                    _zero_outside(b, sb, lo, hi, u.i64(BK), W)
+                with b.if_then(kv):    # dv += pᵀ·dout
+                    t.rows_into(dva, nk, nq, lambda j, i: u.load(b, p, b.add(b.mul(i, u.i64(BK)), j),
+                                                                 "f32"), g, rowq)
+                t.scores(ds, g, rowq, nq, t.panel(vT, kvh, k0), kmask)
+                with u.Loop(b, u.i64(0), nq, 1, "r") as i:
+                    dr = u.splat(b, u.load(b, Dr, b.add(b.mul(h, S), b.add(q0, i)), "f32"), W)
+                    pb = b.gep(p, [b.mul(i, u.i64(BK))], source_etype=u.F32)
+                    gb = b.gep(ds, [b.mul(i, u.i64(BK))], source_etype=u.F32)
+                    for vv in range(t.KV):
+                        col = u.i64(vv * W)
+                        x = b.fmul(b.fmul(u.load(b, pb, col, "f32", W),
+                                          b.fsub(u.load(b, gb, col, "f32", W), dr)), scales)
+                        u.store(b, x, gb, col, "f32")
+                with b.if_then(kv):    # dk += dsᵀ·q
+                    t.rows_into(dka, nk, nq, lambda j, i: u.load(b, ds, b.add(b.mul(i, u.i64(BK)), j),
+                                                                 "f32"), q, rowq)
+                # dq[part] += ds·k, rows past nq masked off
+                dqrow = lambda i: b.add(b.mul(b.add(q0, i), HD), hd)  # noqa: E731
+
+                def dq_mask(i, vv):
+                    full = t.dmask[vv] if t.dmask[vv] is not None else u.tail_mask(b, u.i64(W), W)
+                    return b.select(b.icmp_signed("<", i, nq), full, gemm.zero_mask(W))
+
+                _mm(b, nq, t.DV, nk,
+                    lambda i, j: u.load(b, ds, b.add(b.mul(i, u.i64(BK)), j), "f32"),
+                    lambda j, vv: u.load(b, k, b.add(krow(j), u.i64(vv * W)), "f32", W,
+                                         t.dmask[vv]),
+                    lambda i, vv: u.load(b, dqh, b.add(dqrow(i), u.i64(vv * W)), "f32", W,
+                                         dq_mask(i, vv)),
+                    lambda i, vv, acc: u.store(b, acc, dqh, b.add(dqrow(i), u.i64(vv * W)),
+                                               "f32", dq_mask(i, vv)))
+            with b.if_then(kv):
+                dst = b.mul(gi, b.mul(T, KD))
+                with u.Loop(b, u.i64(0), nk, 1, "w") as j:
+                    row = b.add(dst, krow(j))
+                    for vv in range(t.DV):
+                        for acc, x in ((dka, dk), (dva, dv)):
+                            u.store(b, u.load(b, acc, t.at(j, vv, DP), "f32", W), x,
+                                    b.add(row, u.i64(vv * W)), "f32", t.dmask[vv])

@@ -88,14 +88,14 @@ def _vt(W):
     return ir.VectorType(u.F32, W)
 
 
-def _mask_upto(b, count, W):
+def mask_upto(b, count, W):
     """<W x i1>: lane t on iff t < count (count may be negative or > W)."""
     c = b.select(b.icmp_signed("<", count, u.i64(0)), u.i64(0), count)
     c = u.smin(b, c, u.i64(W))
     return u.tail_mask(b, c, W)
 
 
-def _zero_mask(W):
+def zero_mask(W):
     return ir.Constant(ir.VectorType(u.I1, W), [ir.Constant(u.I1, 0)] * W)
 
 
@@ -219,7 +219,7 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
                         w0 = b.mul(p, u.i64(Wp))
                         wvalid = b.sub(rows, w0)
                         for v in range(nvec):
-                            m = _mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
+                            m = mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
                             x = u.load(b, src, b.add(srow, b.add(w0, u.i64(v * W))), dt, W, m)
                             sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
                             u.store(b, x, dst, b.add(b.add(drow, b.mul(p, pstride)),
@@ -255,7 +255,7 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
                 if w >= Wp:
                     vecs.append(u.const(_vt(W), 0.0))
                     continue
-                m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, _zero_mask(W))
+                m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, zero_mask(W))
                 row = b.add(b.mul(u.i64(w), s_w), kt)
                 if pf is not False:
                     u.prefetch(b, iptr, b.add(row, u.i64(PF_K) if pf is None else pf), dt)
@@ -384,7 +384,7 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
         if mode == "kvec":
             _pack_kvec(b, iptr, panel, kcl, wvalid, s_bn, NRc, dt, W, pf=False)
             return panel
-        masks = [_mask_upto(b, b.sub(wvalid, u.i64(v * W)), W) for v in range(V)]
+        masks = [mask_upto(b, b.sub(wvalid, u.i64(v * W)), W) for v in range(V)]
         with u.Loop(b, u.i64(0), kcl, 1, "kb") as k:
             row = b.mul(k, s_bk)
             for v in range(V):
@@ -469,7 +469,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
             with u.Loop(b, col0, col1, NRc, "j0") as j0:
                 bp = panel_of(bt, k0, kcl, j0)
                 nvalid = b.sub(N, j0)
-                cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
+                cmask = [mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
                 nparts = b.sdiv(b.add(b.sub(row1, row0), u.i64(R - 1)), u.i64(R))
                 with u.Loop(b, row0, row1, R, "i0") as i0:
                     if ahead is not None:
@@ -481,7 +481,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                         nxt = b.add(cbat, next_tile_offset(b, i0, j0, row0, row1, N, R, NRc))
                         prefetch_next_tile(b, dst, nxt, N, R, NRc)
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
-                                       _zero_mask(W)) for v in range(V)] for r in range(R)]
+                                       zero_mask(W)) for v in range(V)] for r in range(R)]
 
                     def tile_io(ptr, load, add=False, scaled=None):
                         """Load the micro-tile from ptr, or store the accumulators there (added
@@ -616,7 +616,7 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
         if key.mode == "rowvec":
             j0 = b.mul(cb, u.i64(RN * W))
             nvalid = b.sub(N, j0)
-            cm = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(RN)]
+            cm = [mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(RN)]
             bcol = b.add(boff, b.mul(cb, s_bn))   # s_bn: the distance between column blocks
             with b.if_then(by_c):   # C row by row: its lines PF_ITEMS items ahead, owned
                 for r in range(RM):
@@ -646,7 +646,7 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
             for r in range(RM):
                 rowok = b.icmp_signed("<", u.i64(r), mvalid)
                 for v in range(RN):
-                    m = b.select(rowok, cm[v], _zero_mask(W))
+                    m = b.select(rowok, cm[v], zero_mask(W))
                     idx = b.add(coff, b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(v * W))))
                     x = _scaled(b, b.load(accs[r][v]), key.scale)
                     old = u.load(b, C, idx, "f32", W, m)

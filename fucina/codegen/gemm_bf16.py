@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import (_mask_upto, _zero_mask, lanes, next_tile_offset, prefetch_next_tile,
+from .gemm import (mask_upto, zero_mask, lanes, next_tile_offset, prefetch_next_tile,
                    transpose)
 from .kernels import KernelKey, register
 from .target import host
@@ -205,10 +205,10 @@ def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W):
             u.prefetch(b, src, b.add(ahead, u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
             u.prefetch(b, src, b.add(b.add(ahead, s_k), u.i64(line * 64 // u.ITEMSIZE[dt])), dt)
         for v in range(nvec):
-            m = _mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
+            m = mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
             lo = load_bits(b, src, b.add(row0, u.i64(v * W)), dt, W, m)
             # the odd row past K reads nothing (its address may lie past the operand)
-            m1 = b.select(has1, m, _zero_mask(W))
+            m1 = b.select(has1, m, zero_mask(W))
             hi = load_bits(b, src, b.select(has1, b.add(row1, u.i64(v * W)), row0), dt, W, m1)
             sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
             word = _pair(b, lo, hi)
@@ -419,7 +419,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                 else:
                     _pack_any(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bn, s_bk, NRc,
                               key.b_dtype)
-                cmask = [_mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
+                cmask = [mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
                 pf = None
                 if key.b_mode in ("wvec", "kvec"):
                     # the next panel: along this block's columns, else the next k block's
@@ -450,7 +450,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                         prefetch_next_tile(b, C, next_tile_offset(b, i0, j0, row0, row1, N, R,
                                                                   NRc), N, R, NRc)
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
-                                       _zero_mask(W)) for v in range(V)] for r in range(R)]
+                                       zero_mask(W)) for v in range(V)] for r in range(R)]
 
                     def cidx(r, v):
                         return b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))

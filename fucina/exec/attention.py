@@ -1,24 +1,17 @@
-"""Grouped attention at the exec layer (SPEC §3.12): a query-tiled, key-tiled online-softmax
-forward and a recomputing backward, built from the GEMM kernels and the row kernels of
-codegen/attention.py.
+"""Grouped attention at the exec layer (SPEC §3.12): one fused launch for the forward and one
+for the backward (FlashAttention-2, codegen/attention.py), plus the decode step.
 
 Operands: q [S, H, D], k and v [T, KVH, D] (f32, contiguous), query head h reading KV head
 h // G (G = H / KVH; any other head mapping is first expanded to one KV head per query head).
-The heads are two GEMM batch axes (KVH, G) with a zero stride on G for k and v, so the GQA
-sharing costs nothing. Causal queries align to the end of the keys: query i attends keys
-[0, T − S + i], with a window w > 0 only [T − S + i − w + 1, T − S + i].
+Causal queries align to the end of the keys: query i attends keys [0, T − S + i], with a
+window w > 0 only [T − S + i − w + 1, T − S + i].
 
-Forward, per block of BQ queries: keys [kstart, kend) — only those some query of the block may
-attend — in blocks of BK: s = q·kᵀ, the `online` row kernel (running max m, sum l, p over s,
-o rescaled), o (+)= p·v; then `finish` writes out = o / l in place and lse = m + ln l. With at
-most BK keys per query block this is one plain softmax pass (no rescale); longer rows are the
-online (flash) form whose memory stays O(H·BQ·BK) whatever the sequence length.
-
-Backward (FlashAttention-2 order, key blocks outer): D = Σ_d dout·out per row, then per tile
-s = q·kᵀ, p = e^(s·scale − lse) (`probs`), dv += pᵀ·dout, dp = dout·vᵀ, ds = p·(dp − D)·scale
-(`dscores`), dq += ds·k, dk += dsᵀ·q; the group axis of dk and dv is summed once per key block.
-Every accumulation runs in a fixed tile order and each GEMM's k-sum order is fixed by shape,
-so gradients are bitwise identical for any thread count.
+The kernels read k (and, backward, v) also as kᵀ, in key tiles of BK: [KVH, tiles, D, BK], a
+copy made here. The forward's chunks are (head, query tile) and write disjoint rows of out and
+lse. The backward's are (head, part of the key tiles): each writes its own dq partial
+[part, S, H, D] and its own dk, dv partial [h mod G, T, KVH, D]; the parts and the group's
+heads are then added in a fixed order. So the bits depend on the shapes alone, never on the
+thread count.
 """
 from __future__ import annotations
 
@@ -27,12 +20,10 @@ from ..codegen.attention import AttentionKey
 from . import elementwise as ew
 from . import reduce as exr
 from .elementwise import f32_bits
-from .matmul import gemm
 from .raw import RawTensor
 
-BQ = 128    # queries per block
-BK = 512    # keys per block (forward); more keys than this per query block goes online
-BKB = 128   # keys per block (backward)
+BQ = 64     # queries per tile
+BK = 64     # keys per tile
 ROW_WORK = 1 << 14
 
 
@@ -41,7 +32,7 @@ def _per(K: int) -> int:
 
 
 class Geometry:
-    """Shapes and the attention pattern: which keys query block [q0, q0+n) may attend."""
+    """Shapes and the attention pattern."""
 
     def __init__(self, S, H, D, T, KVH, causal, window):
         self.S, self.H, self.D, self.T, self.KVH = S, H, D, T, KVH
@@ -49,91 +40,52 @@ class Geometry:
         self.causal, self.window = causal, window
         self.off = T - S
 
-    def keys(self, q0, n):
-        """(kstart, kend) of the keys the queries [q0, q0+n) attend together."""
+    def queries(self, k0, n):
+        """[lo, hi) of the queries that may attend keys [k0, k0+n), as the backward kernel
+        finds them."""
         if not self.causal:
-            return 0, self.T
-        kend = min(self.T, self.off + q0 + n)
-        kstart = max(0, self.off + q0 - self.window + 1) if self.window else 0
-        return kstart, kend
-
-    def bounds(self, q0, k0):
-        """(hi0, lo0) of the row kernels: query i of the block at q0 sees block columns
-        [lo0 + i, hi0 + i) of the key block at k0 (clamped)."""
-        if not self.causal:
-            return self.T, -(self.T + self.S)
-        hi0 = self.off + q0 + 1 - k0
-        lo0 = hi0 - self.window if self.window else -(self.T + self.S)
-        return hi0, lo0
-
-
-# ---------------------------------------------------------------------------------------------
-# views: heads as GEMM batch axes (KVH, G)
-
-def _q_view(q, geo, q0, n):
-    """q[q0:q0+n] as [KVH, G, n, D]."""
-    H, D = geo.H, geo.D
-    return q.view((geo.KVH, geo.G, n, D), (geo.G * D, D, H * D, 1), q.offset + q0 * H * D)
-
-
-def _kv_view(x, geo, k0, n, transposed):
-    """k or v rows [k0, k0+n) as [KVH, G, n, D] (or [KVH, G, D, n]), G broadcast."""
-    KVH, D = geo.KVH, geo.D
-    off = x.offset + k0 * KVH * D
-    if transposed:
-        return x.view((KVH, geo.G, D, n), (D, 0, 1, KVH * D), off)
-    return x.view((KVH, geo.G, n, D), (D, 0, KVH * D, 1), off)
-
-
-def _t(x):
-    """The last two axes swapped (a view)."""
-    return x.permute((0, 1, 3, 2))
-
-
-def _rows(x):
-    """A contiguous [KVH, G, a, b] as rows [KVH·G·a, b]."""
-    s = x.shape
-    return x.view((s[0] * s[1] * s[2], s[3]), (s[3], 1))
-
-
-def _launch(ctx, op, R, K, cost, *args, bias=False):
-    per = _per(K)
-    ctx.launch(kernels.get(AttentionKey(op, bias)), -(-R // per), cost, *args[:-1], per, *args[-1])
+            return 0, self.S
+        lo = max(0, k0 - self.off)
+        hi = min(self.S, k0 + n - 1 + self.window - self.off) if self.window else self.S
+        return lo, max(lo, hi)
 
 
 # ---------------------------------------------------------------------------------------------
 # forward
+
+def _transposed(ctx, x, geo):
+    """k or v [T, KVH, D] as [KVH, key tiles, D, BK]: each key tile a contiguous D x BK panel,
+    which the kernels' q·kᵀ and dout·vᵀ read as rows of keys. (A plain [D, T] would put a
+    tile's rows T·4 bytes apart: 4 KiB at T = 1024, all in one L1 set.)"""
+    T, KVH, D = geo.T, geo.KVH, geo.D
+    nt, full = -(-T // BK), T // BK
+    out = ctx.empty((KVH, nt, D, BK), "f32")
+    if full:
+        shape = (KVH, full, D, BK)
+        ew.run(ctx, "copy", "f32", shape, [x.view(shape, (D, BK * KVH * D, 1, KVH * D), x.offset)],
+               out=out.view(shape, (nt * D * BK, D * BK, BK, 1), 0))
+    if T > full * BK:
+        shape = (KVH, D, T - full * BK)
+        ew.run(ctx, "copy", "f32", shape,
+               [x.view(shape, (D, 1, KVH * D), x.offset + full * BK * KVH * D)],
+               out=out.view(shape, (nt * D * BK, BK, 1), full * D * BK))
+    return out
+
 
 def forward(ctx, q: RawTensor, k: RawTensor, v: RawTensor, geo: Geometry, scale: float,
             bias: RawTensor | None = None, out: RawTensor | None = None,
             lse: RawTensor | None = None) -> tuple[RawTensor, RawTensor]:
     """(out [S, H·D], lse [H, S]) for contiguous f32 q, k, v (k, v with KVH heads); `out` and
     `lse`, when given, are contiguous places of those shapes to write (a batch's slices)."""
-    S, H, D = geo.S, geo.H, geo.D
+    S, H, D, T = geo.S, geo.H, geo.D, geo.T
     out = ctx.empty((S, H * D), "f32") if out is None else out
     lse = ctx.empty((H, S), "f32") if lse is None else lse
-    sbits = f32_bits(scale)
-    for q0 in range(0, S, BQ):
-        n = min(BQ, S - q0)
-        R = H * n
-        kstart, kend = geo.keys(q0, n)
-        qv = _q_view(q, geo, q0, n)
-        o = ctx.empty((geo.KVH, geo.G, n, D), "f32")
-        m = ctx.empty((R,), "f32")
-        l = ctx.empty((R,), "f32")
-        first = True
-        for k0 in range(kstart, kend, BK):
-            kb = min(BK, kend - k0)
-            s = gemm(ctx, qv, _kv_view(k, geo, k0, kb, True))
-            hi0, lo0 = geo.bounds(q0, k0)
-            baddr = 0 if bias is None else bias.addr + (q0 * geo.T + k0) * 4
-            _launch(ctx, "online", R, kb, R * kb * 8,
-                    s.addr, o.addr, m.addr, l.addr, baddr, R, kb, D, sbits, n, hi0, lo0,
-                    int(first), (geo.T,), bias=bias is not None)
-            gemm(ctx, s, _kv_view(v, geo, k0, kb, False), out=o, accumulate=not first)
-            first = False
-        _launch(ctx, "finish", R, D, R * D * 8, o.addr, m.addr, l.addr,
-                out.addr + q0 * H * D * 4, lse.addr + q0 * 4, R, D, n, (H * D, S))
+    kT = _transposed(ctx, k, geo)
+    nqt = -(-S // BQ)
+    key = AttentionKey("forward", bias is not None, d=D, bq=BQ, bk=BK)
+    ctx.launch(kernels.get(key), H * nqt, 4 * S * T * H * D,
+               q.addr, kT.addr, v.addr, out.addr, lse.addr, 0 if bias is None else bias.addr,
+               S, T, H, geo.KVH, f32_bits(scale), int(geo.causal), geo.window, nqt, T)
     return out, lse
 
 
@@ -157,68 +109,56 @@ def decode(ctx, q: RawTensor, k: RawTensor, v: RawTensor, KVH: int, window: int,
 # ---------------------------------------------------------------------------------------------
 # backward
 
+def _split(geo):
+    """(parts, split): the backward's key tiles in two parts of about equal work (the queries
+    attending each tile), fixed by the shapes — each head's dq is then two chunks' sum."""
+    nkt = -(-geo.T // BK)
+    if nkt < 2:
+        return 1, nkt
+    work = []
+    for t in range(nkt):
+        lo, hi = geo.queries(t * BK, min(BK, geo.T - t * BK))
+        work.append(hi - lo)
+    total, run = sum(work), 0
+    for t in range(nkt - 1):
+        run += work[t]
+        if 2 * run >= total:
+            return 2, t + 1
+    return 2, nkt - 1
+
+
 def backward(ctx, q, k, v, out, lse, g, geo: Geometry, scale: float, kv_grads: bool,
              bias: RawTensor | None = None):
     """(dq [S, H, D], dk, dv [T, KVH, D] or None) from the upstream gradient g [S, H·D]."""
     S, H, D, T, KVH, G = geo.S, geo.H, geo.D, geo.T, geo.KVH, geo.G
-    sbits = f32_bits(scale)
     Dr = ctx.empty((H, S), "f32")
     ctx.launch(kernels.get(AttentionKey("rowdot")), -(-(S * H) // _per(D)), S * H * D * 8,
                g.addr, out.addr, Dr.addr, S * H, D, H, S, _per(D))
-    dq = ctx.empty((S, H, D), "f32")
-    dk = dv = None
+    kT, vT = _transposed(ctx, k, geo), _transposed(ctx, v, geo)
+    parts, split = _split(geo)
+    dqp = ctx.empty((parts, S, H, D), "f32")
+    dkp = dvp = None
     if kv_grads:
-        dk = ctx.empty((T, KVH, D), "f32")
-        dv = ctx.empty((T, KVH, D), "f32")
-    qblocks = [(q0, min(BQ, S - q0)) for q0 in range(0, S, BQ)]
-    dqs = [None] * len(qblocks)
-    for k0 in range(0, T, BKB):
-        kb = min(BKB, T - k0)
-        dkb = dvb = None
-        for j, (q0, n) in enumerate(qblocks):
-            kstart, kend = geo.keys(q0, n)
-            if k0 >= kend or k0 + kb <= kstart:
-                continue   # no query of this block attends a key of this block
-            R = H * n
-            qv = _q_view(q, geo, q0, n)
-            gv = _q_view(g, geo, q0, n)
-            s = gemm(ctx, qv, _kv_view(k, geo, k0, kb, True))
-            hi0, lo0 = geo.bounds(q0, k0)
-            baddr = 0 if bias is None else bias.addr + (q0 * T + k0) * 4
-            _launch(ctx, "probs", R, kb, R * kb * 8, s.addr, lse.addr + q0 * 4, baddr, R, kb,
-                    sbits, n, hi0, lo0, (T, S), bias=bias is not None)
-            if kv_grads:
-                dvb = gemm(ctx, _t(s), gv, out=dvb, accumulate=dvb is not None)
-            dp = gemm(ctx, gv, _kv_view(v, geo, k0, kb, True))
-            _launch(ctx, "dscores", R, kb, R * kb * 12, s.addr, dp.addr, Dr.addr + q0 * 4, R, kb,
-                    sbits, n, (S,))
-            dqs[j] = gemm(ctx, dp, _kv_view(k, geo, k0, kb, False), out=dqs[j],
-                          accumulate=dqs[j] is not None)
-            if kv_grads:
-                dkb = gemm(ctx, _t(dp), qv, out=dkb, accumulate=dkb is not None)
-        if kv_grads:
-            _store_kv(ctx, dk, dkb, geo, k0, kb)
-            _store_kv(ctx, dv, dvb, geo, k0, kb)
-    for (q0, n), blk in zip(qblocks, dqs):
-        dst = dq.view((n, KVH, G, D), (H * D, G * D, D, 1), q0 * H * D)
-        if blk is None:
-            ew.run(ctx, "copy", "f32", dst.shape, [0.0], out=dst)
-        else:
-            ew.run(ctx, "copy", "f32", dst.shape, [blk.permute((2, 0, 1, 3))], out=dst)
-    return dq, dk, dv
+        dkp, dvp = ctx.empty((G, T, KVH, D), "f32"), ctx.empty((G, T, KVH, D), "f32")
+    key = AttentionKey("backward", d=D, bq=BQ, bk=BK)
+    ctx.launch(kernels.get(key), H * parts, 10 * S * T * H * D,
+               q.addr, k.addr, kT.addr, vT.addr, g.addr, lse.addr, Dr.addr, dqp.addr,
+               0 if dkp is None else dkp.addr, 0 if dvp is None else dvp.addr,
+               S, T, H, KVH, f32_bits(scale), int(geo.causal), geo.window, split, parts,
+               int(kv_grads))
+    dq = _sum_first(ctx, dqp)
+    if not kv_grads:
+        return dq, None, None
+    return dq, _sum_first(ctx, dkp), _sum_first(ctx, dvp)
 
 
-def _store_kv(ctx, dst, blk, geo, k0, kb):
-    """dst[k0:k0+kb] ([T, KVH, D]) = blk [KVH, G, kb, D] summed over G (zeros if no query
-    attended these keys)."""
-    KVH, D = geo.KVH, geo.D
-    view = dst.view((kb, KVH, D), (KVH * D, D, 1), k0 * KVH * D)
-    if blk is None:
-        ew.run(ctx, "copy", "f32", view.shape, [0.0], out=view)
-        return
-    if geo.G > 1:
-        blk = exr.reduce_axis(ctx, "sum", blk, 1)     # [KVH, kb, D], heads in a fixed order
-        src = blk.permute((1, 0, 2))
-    else:
-        src = blk.view((KVH, kb, D), (kb * D, D, 1)).permute((1, 0, 2))
-    ew.run(ctx, "copy", "f32", view.shape, [src], out=view)
+def _sum_first(ctx, x):
+    """x [n, ...] summed over its first axis in order (x[0] itself when n = 1)."""
+    shape = x.shape[1:]
+    if x.shape[0] == 1:
+        return x.view(shape, x.strides[1:], x.offset)
+    if x.shape[0] == 2:
+        n = x.numel // 2
+        return ew.run(ctx, "add", "f32", shape, [x.view(shape, x.strides[1:], x.offset),
+                                                 x.view(shape, x.strides[1:], x.offset + n)])
+    return exr.reduce_axis(ctx, "sum", x, 0)
