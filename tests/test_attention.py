@@ -63,6 +63,7 @@ def tiny_tiles(monkeypatch):
     softmax rescales, skipped tiles, partial blocks)."""
     monkeypatch.setattr(exa, "BQ", 8)
     monkeypatch.setattr(exa, "BK", 16)
+    monkeypatch.setattr(exa, "FWD_BK", 16)
 
 
 def test_acceptance(ctx):
@@ -78,10 +79,10 @@ def test_causal_gqa(ctx, S, T, H, KVH, D):
     check(ctx, S, T, H, KVH, D)
 
 
-@pytest.mark.parametrize("T", [exa.BK + 6, 4 * exa.BK + 3])
+@pytest.mark.parametrize("T", [exa.FWD_BK + 6, 4 * exa.FWD_BK + 3])
 def test_both_sides_of_the_key_tile(ctx1, T):
     """Query and key tiles with partial last tiles: the online softmax over 2 and 5 key
-    tiles, the backward's key tiles split in two parts."""
+    tiles (more in the backward's tiles, split in two parts)."""
     check(ctx1, 70, T, 2, 1, 32)
     check(ctx1, 70, T, 2, 2, 16, causal=False)
 
@@ -179,6 +180,36 @@ def test_thread_invariance(ctx1, ctx2, tiny_tiles):
         results.append(check(ctx, 300, 700, 4, 2, 32))   # default tiles, online and multi-block
     for a, b in zip(*results):
         assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("D", [40, 72, 128])
+def test_head_sizes_at_default_tiles(ctx1, ctx2, D):
+    """Head sizes with a masked last vector (40, 72) and with several column blocks of the
+    micro-tiles (128), causal with a window and bidirectional, at the default tiles: torch's
+    values and the same bits at 1 and 2 threads."""
+    global RNG
+    for kw in ({"window": 37}, {"causal": False}):
+        results = []
+        for ctx in (ctx1, ctx2):
+            RNG = np.random.default_rng(D)
+            results.append(check(ctx, 150, 170, 4, 2, D, **kw))
+        for a, b in zip(*results):
+            assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("S,T,causal,window", [(1024, 1024, True, 0), (300, 1000, True, 0),
+                                               (500, 500, False, 0), (256, 256, True, 40)])
+def test_backward_splits_the_key_tiles_by_work(S, T, causal, window):
+    """The backward's two parts of the key tiles carry about equal work (the queries that may
+    attend each tile): within one tile's work of half the total."""
+    geo = exa.Geometry(S, 4, 64, T, 2, causal, window)
+    parts, split = exa._split(geo)
+    nkt = -(-T // exa.BK)
+    work = [np.subtract(*geo.queries(t * exa.BK, min(exa.BK, T - t * exa.BK))[::-1])
+            for t in range(nkt)]
+    assert parts == 2 and 0 < split < nkt
+    assert abs(sum(work[:split]) - sum(work) / 2) <= max(work)
+    assert exa._split(exa.Geometry(8, 4, 64, exa.BK, 2, True, 0)) == (1, 1)
 
 
 def test_bad_input(ctx):

@@ -236,18 +236,23 @@ def _pad(n, m):
     return -(-n // m) * m
 
 
-def _mm(b, n, nvec, K, a_at, b_at, init, fin):
+def _mm(b, n, nvec, K, a_at, b_at, init, fin, cols=None):
     """A micro-GEMM between the kernel's tiles: rows [0, n) in groups of MR (the last group
     may run past n: callers keep those rows in bounds and never use them), nvec W-wide output
     vectors in blocks of NB; acc = init(row, v), then acc = fma(a_at(row, k), b_at(k, v), acc)
     for k = 0 .. K − 1 in order, then fin(row, v, acc). One FMA chain per element in a fixed
-    order, so the bits depend on the shapes alone."""
+    order, so the bits depend on the shapes alone. cols(i0), when given, bounds the columns a
+    group of rows from i0 needs: blocks past it are skipped (their outputs left as they were)."""
     W, R = host().f32_lanes, gemm.mr()
     vt = ir.VectorType(u.F32, W)
     for v0 in range(0, nvec, NB):
         vs = range(v0, min(v0 + NB, nvec))
         accs = [[u.entry_alloca(b, vt) for _ in vs] for _ in range(R)]
         with u.Loop(b, u.i64(0), n, R, "mr") as i0:
+            if cols is not None:
+                do, skip = b.append_basic_block("mr.do"), b.append_basic_block("mr.skip")
+                b.cbranch(b.icmp_signed("<", u.i64(v0 * W), cols(i0)), do, skip)
+                b.position_at_end(do)
             rows = [b.add(i0, u.i64(r)) for r in range(R)]
             for r in range(R):
                 for a, v in zip(accs[r], vs):
@@ -269,6 +274,9 @@ def _mm(b, n, nvec, K, a_at, b_at, init, fin):
             for r in range(R):
                 for a, v in zip(accs[r], vs):
                     fin(rows[r], v, b.load(a))
+            if cols is not None:
+                b.branch(skip)
+                b.position_at_end(skip)
 
 
 class _Tiles:
@@ -315,7 +323,7 @@ class _Tiles:
         tile = b.add(b.mul(kvh, self.ntiles), b.sdiv(k0, u.i64(self.BK)))
         return b.gep(xT, [b.mul(tile, u.i64(self.D * self.BK))], source_etype=u.F32)
 
-    def scores(self, dst, x, xrow, nq, xT, kmask):
+    def scores(self, dst, x, xrow, nq, xT, kmask, cols=None):
         """dst[i, j] = Σ_d x[xrow(i) + d]·xT[d·BK + j] (in d order) for the rows i < nq of
         the query tile (rounded up to MR) and the BK columns of the key tile; xT is the tile's
         panel (self.panel), keys past the tile's nk read as 0."""
@@ -325,7 +333,7 @@ class _Tiles:
             lambda d, v: u.load(b, xT, b.add(b.mul(d, u.i64(self.BK)), u.i64(v * W)), "f32", W,
                                 kmask[v]),
             lambda i, v: u.const(self.vt, 0.0),
-            lambda i, v, acc: u.store(b, acc, dst, self.at(i, v), "f32"))
+            lambda i, v, acc: u.store(b, acc, dst, self.at(i, v), "f32"), cols)
 
     def at(self, i, v, width=None):
         """Element offset of vector v of stack row i (rows of BK values, or of `width`)."""
@@ -339,6 +347,13 @@ class _Tiles:
             lambda k, v: u.load(b, x, b.add(xrow(k), u.i64(v * W)), "f32", W, self.dmask[v]),
             lambda r, v: u.load(b, acc, self.at(r, v, self.DP), "f32", W),
             lambda r, v, s: u.store(b, s, acc, self.at(r, v, self.DP), "f32"))
+
+    def needed(self, pos, k0, nk, causal, window):
+        """cols(i0) of _mm for a score tile: the keys the rows from i0 (at absolute positions
+        pos(i0) ..) attend lie below the last row's hi."""
+        R = gemm.mr()
+        return lambda i0: self.bounds(pos(self.b.add(i0, u.i64(R - 1))), k0, nk, causal,
+                                      window)[1]
 
     def bounds(self, pos, k0, nk, causal, window):
         """[lo, hi) of the key tile at k0 that the query at absolute position pos attends."""
@@ -389,7 +404,9 @@ def _fwd(key, b, args, c0, c1):
         kfirst = b.mul(b.sdiv(kstart, u.i64(BK)), u.i64(BK))
         with u.Loop(b, kfirst, kend, BK, "k0") as k0:
             nk = u.smin(b, u.i64(BK), b.sub(kend, k0))
-            t.scores(s, q, qrow, nq, t.panel(kT, kvh, k0), t.key_masks(nk))
+            pos = lambda i: b.add(off, b.add(q0, i))  # noqa: E731
+            t.scores(s, q, qrow, nq, t.panel(kT, kvh, k0), t.key_masks(nk),
+                     t.needed(pos, k0, nk, causal, window))
             with u.Loop(b, u.i64(0), nq, 1, "r") as i:
                 lo, hi = t.bounds(b.add(off, b.add(q0, i)), k0, nk, causal, window)
                 sb = b.gep(s, [b.mul(i, u.i64(BK))], source_etype=u.F32)
@@ -488,7 +505,9 @@ def _bwd(key, b, args, c0, c1):
             with u.Loop(b, b.mul(b.sdiv(qlo, u.i64(BQ)), u.i64(BQ)), qhi, BQ, "q0") as q0:
                 nq = u.smin(b, u.i64(BQ), b.sub(S, q0))
                 rowq = lambda i: qrow(b.add(q0, i))  # noqa: E731
-                t.scores(p, q, rowq, nq, t.panel(kT, kvh, k0), kmask)
+                pos = lambda i: b.add(off, b.add(q0, i))  # noqa: E731
+                t.scores(p, q, rowq, nq, t.panel(kT, kvh, k0), kmask,
+                         t.needed(pos, k0, nk, causal, window))
                 with u.Loop(b, u.i64(0), nq, 1, "r") as i:
                     lo, hi = t.bounds(b.add(off, b.add(q0, i)), k0, nk, causal, window)
                     lv = u.load(b, lse, b.add(b.mul(h, S), b.add(q0, i)), "f32")
