@@ -635,3 +635,36 @@ def test_rowvec_order_keeps_the_bits(monkeypatch):
     mm._plans.clear()
     assert_bitwise(outs[0], outs[1])
     np.testing.assert_allclose(outs[0][0], _ref(A, B), rtol=0, atol=_tol(A, B))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["packed", "direct-b"])
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+@pytest.mark.parametrize("scale", [1.0, float(np.float32(5 / 3))])
+def test_k_slices_keep_the_bits(direct, tb, scale, monkeypatch):
+    """A long k in slices of whole KC blocks (the last one shorter), each continuing the sums
+    the previous left behind: the bits of one pass over k — plain, into `out` and
+    accumulating (the partial sums then in the scratch buffer), scaled, at 1 and 2 threads."""
+    from fucina.codegen import gemm as g
+    rng = np.random.default_rng(12)
+    M, K, N = 45, 5 * g.KC + 37, 70
+    A, B, C0 = _data(rng, M, K), _data(rng, K, N), _data(rng, M, N)
+
+    def run(ctx):
+        a, b = ctx.from_numpy(A), _operand(ctx, B, tb)
+        acc = ctx.from_numpy(C0)
+        gemm(ctx, a, b, out=acc, accumulate=True, scale=scale)
+        return np.stack([gemm(ctx, a, b, scale=scale).to_numpy(), acc.to_numpy()])
+
+    outs = []
+    for ks in (1 << 30, 2 * g.KC):
+        _route(monkeypatch, direct)
+        monkeypatch.setattr(mm, "K_SLICE", ks)
+        mm._plans.clear()
+        outs.append(_both_threads(run))
+        from fucina.codegen import kernels
+        tile_addrs = {kernels._memo[k] for k in _tile_keys()}
+        launches = sum(s[0] in tile_addrs for p in mm._plans.values() for s in p.steps)
+        assert launches == 2 * (1 if ks > K else 3)   # two plans; 3 slices: 512, 512, 293
+    mm._plans.clear()
+    assert_bitwise(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0][0], scale * _ref(A, B), rtol=0, atol=_tol(A, B))

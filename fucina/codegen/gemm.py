@@ -59,6 +59,7 @@ NR_VECS = 2      # vectors across the micro-tile (NR = NR_VECS * lanes columns)
 KC = 256         # k block: a KC x NR panel of B stays in L1 across the MR panels of A (and
                  # fits the stack buffer the quantized tile decodes its panels into)
 UNROLL = 4       # k steps per iteration of the micro-kernel's inner loop
+SLICE_ACC, SLICE_CONT, SLICE_MORE = 1, 2, 4   # gemm_tile's flags (argument 14)
 PF_ITEMS = 2     # rowvec writing C row by row: prefetch its lines this many items ahead
 PF_ROWS = 8      # packing along rows far apart (wvec): prefetch this many rows ahead ...
 PF_K = 256       # ... along k-contiguous rows (kvec): this many elements ahead
@@ -298,9 +299,11 @@ class GemmTileKey(KernelKey):
     """C tiles from packed panels (see the module docstring).
 
     Arguments: 0 Ap, 1 Bp, 2 C, 3 Cpart, 4 M, 5 N, 6 K, 7 KC, 8 MC, 9 NC, 10 M blocks,
-    11 N blocks, 12 Ap batch stride, 13 Bp batch stride (floats; 0 = broadcast), 14 accumulate,
-    15 M blocks fastest (else N blocks fastest) in the chunk order. C is contiguous
-    [batch, M, N]; Cpart (partial sums when accumulate and K > KC) likewise.
+    11 N blocks, 12 Ap batch stride, 13 Bp batch stride (floats; 0 = broadcast), 14 flags
+    (SLICE_* bits: accumulate; a k slice that continues the sums in Cpart; one that leaves its
+    sums there for a next slice), 15 M blocks fastest (else N blocks fastest) in the chunk
+    order. C is contiguous [batch, M, N]; Cpart (partial sums when accumulate and K > KC, or
+    between k slices) likewise.
     pf_c: prefetch the next micro-tile's C lines (exec sets it for a C too big to stay cached).
     scale: each result is s·sum (see the module docstring).
     """
@@ -443,7 +446,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
     hook = b_panel(b, args, N, K, NRc)
     panel_of, ahead = hook if isinstance(hook, tuple) else (hook, None)
-    accumulate = b.icmp_signed("!=", accflag, u.i64(0))
+    accumulate, cont, more = (b.icmp_signed("!=", b.and_(accflag, u.i64(bit)), u.i64(0))
+                              for bit in (SLICE_ACC, SLICE_CONT, SLICE_MORE))
     accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
 
     with u.Loop(b, c0, c1, 1, "c") as c:
@@ -462,8 +466,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
         cbat = b.mul(bt, b.mul(M, N))
         with u.Loop(b, u.i64(0), K, kc, "k0") as k0:
             kcl = u.smin(b, kc, b.sub(K, k0))
-            first = b.icmp_signed("==", k0, u.i64(0))
-            last = b.icmp_signed(">=", b.add(k0, kc), K)
+            first = b.and_(b.icmp_signed("==", k0, u.i64(0)), b.not_(cont))
+            last = b.and_(b.icmp_signed(">=", b.add(k0, kc), K), b.not_(more))
             dst = b.select(last, C, Cpart)     # where this k block's sums go
             ablk = b.add(abat, b.mul(k0, Mp))
             with u.Loop(b, col0, col1, NRc, "j0") as j0:
