@@ -232,15 +232,16 @@ def test_one_and_two_threads_bitwise():
 
 
 @pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
-def test_long_k_grid_and_c_prefetch_keep_the_bits(tb, monkeypatch):
-    """The grid for a long K (the head's dx: N in few blocks, M in two) and the tiles that
-    prefetch C lines give the bits of the default plan, at 1 and 2 threads; all near numpy."""
+def test_k_slices_and_c_prefetch_keep_the_bits(tb, monkeypatch):
+    """A long K in slices (the head's dx: each slice continues the sums the previous one left
+    in C; here 600, 600 and an odd 301) and the tiles that prefetch C lines give the bits of
+    the default plan, at 1 and 2 threads; all near numpy."""
     rng = np.random.default_rng(5)
-    A = rng.standard_normal((60, 1500)).astype(np.float32)
-    B = rng.standard_normal((1500, 100)).astype(np.float32)
+    A = rng.standard_normal((60, 1501)).astype(np.float32)
+    B = rng.standard_normal((1501, 100)).astype(np.float32)
     outs = []
-    for long_k, pf_min in ((1 << 62, 1 << 62), (1000, 0)):
-        monkeypatch.setattr(mb, "LONG_K", long_k)
+    for k_slice, pf_min in ((1 << 62, 1 << 62), (600, 0)):
+        monkeypatch.setattr(mb, "K_SLICE", k_slice)
         monkeypatch.setattr(mb, "PF_C_MIN", pf_min)
         mb._plans.clear()
         for th in (1, 2):
@@ -248,10 +249,10 @@ def test_long_k_grid_and_c_prefetch_keep_the_bits(tb, monkeypatch):
                 outs.append(gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B, tb, "bf16"))
                             .to_numpy())
                 plan = next(iter(mb._plans.values()))
-                key = next(k for k, a in kernels._memo.items() if a == plan.tile[0])
+                tile = plan.slices[0][2]
+                key = next(k for k, a in kernels._memo.items() if a == tile[0])
                 assert key.pf_c == (pf_min == 0)
-                nmb, nnb = plan.tile[3][6:8]      # the long-K grid: two M blocks, one N block
-                assert (nmb, nnb == 1) == ((2, True) if long_k == 1000 else (1, False))
+                assert [s[0] for s in plan.slices] == ([0] if pf_min else [0, 600, 1200])
     mb._plans.clear()
     for o in outs[1:]:
         assert_bitwise(outs[0], o)

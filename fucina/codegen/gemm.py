@@ -22,6 +22,9 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              chunk grid is fixed by the problem size: bitwise identical for any thread count.
              With `accumulate` the chain's result is added to c in one final rounding
              (c = c + sum); partial sums of earlier KC blocks then live in a scratch buffer.
+             A long k may run as several launches over k slices of whole KC blocks, each
+             continuing the partial sums the previous one left (flags argument): the same
+             chains, the same bits.
              A key's `scale` s != 1 rounds s·sum once more before it is stored or added
              (c = c + s·sum, two roundings: x.add(y.scale(s)) with y = the product).
              emit_tile builds it around a hook that produces each KC x NR panel of B: a

@@ -289,7 +289,9 @@ class GemmBf16TileKey(KernelKey):
 
     Arguments: 0 Ap, 1 b, 2 C, 3 M, 4 N, 5 K, 6 KC (even), 7 MC, 8 NC, 9 M blocks, 10 N
     blocks, 11 M blocks fastest (else N blocks fastest) in the chunk order, 12 s_bk, 13 s_bn
-    (b's element strides). C contiguous [M, N].
+    (b's element strides), 14 continue: a k slice after the first, whose sums start from
+    the partial sums the previous slice left in C (the chain goes on: the bits of one pass).
+    C contiguous [M, N].
     native: vdpbf16ps (AVX-512 BF16) or its FMA emulation — the same bits. b_mode: how b's
     panels are packed (gemm_bf16_pack's modes: wvec = unit stride along n, kvec = along k).
     """
@@ -382,7 +384,9 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
     fv, iv = _fv(W), _iv(W)
     NRc = V * W
     Ap, Bsrc, C = (u.arg_ptr(b, args, i) for i in range(3))
-    M, N, K, kc, MC, NC, nmb, nnb, mfast, s_bk, s_bn = (u.arg(b, args, i) for i in range(3, 14))
+    M, N, K, kc, MC, NC, nmb, nnb, mfast, s_bk, s_bn, cflag = (u.arg(b, args, i)
+                                                               for i in range(3, 15))
+    cont = b.icmp_signed("!=", cflag, u.i64(0))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
     dp = _dp_native(b, W) if key.native else _dp_emulated(b, W)
     bp = u.entry_alloca(b, ir.ArrayType(u.I32, KC // 2 * NRc))
@@ -402,7 +406,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
         with u.Loop(b, u.i64(0), K, kc, "k0") as k0:
             kcl = u.smin(b, kc, b.sub(K, k0))
             kpl = b.sdiv(b.add(kcl, u.i64(1)), two)
-            first = b.icmp_signed("==", k0, u.i64(0))
+            first = b.and_(b.icmp_signed("==", k0, u.i64(0)), b.not_(cont))
             kp0 = b.sdiv(k0, two)
             ablk = b.mul(kp0, Mp)
             with u.Loop(b, col0, col1, NRc, "j0") as j0:

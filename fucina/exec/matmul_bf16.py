@@ -4,9 +4,9 @@
 strides, and returns a contiguous f32 c[M, N] = bf16(a) · bf16(b) with f32 accumulation
 (fucina/codegen/gemm_bf16.py: operands rounded to nearest even when packed, bf16 denormals
 read as zero, vdpbf16ps where the host has it, its bit-exact emulation elsewhere). Two
-launches: pack A into pair panels, then a grid of (M-block, N-block) tiles fixed by the problem
-size, each packing its panels of b into L1 as it goes — bitwise identical for any thread
-count. M blocks are large (b, the frozen weight, is read once per M block) and N blocks small
+launches (per k slice, for a long k): pack A into pair panels, then a grid of (M-block,
+N-block) tiles fixed by the problem size, each packing its panels of b into L1 as it goes —
+bitwise identical for any thread count. M blocks are large (b, the frozen weight, is read once per M block) and N blocks small
 enough that there are several chunks for the threads.
 """
 from __future__ import annotations
@@ -20,16 +20,16 @@ from .raw import RawTensor
 MC_PANELS = 48   # at most this many MR panels of A per tile (MC x KC of A, 688 KiB, stays in L2)
 NC_PANELS = 8    # at most this many NR panels of B per tile ...
 N_CHUNKS = 8     # ... and fewer when that leaves N with fewer blocks than this
-LONG_K = 8192    # from this K on, A streams from memory once per N block (a head's dx, K =
-LONG_NC = 24     # vocab): N blocks of up to this many panels, M in two blocks for the threads
+K_SLICE = 1024   # a k longer than twice this runs in slices of this many (even, a multiple of
+                 # KC): the head's [1024, 49152] x [49152, 576] product 345 -> ~370 GFLOP/s
 _plans: dict = {}
 
 
 class Plan:
-    """The launches of one layout pair: (addr, n_chunks, cost, tail) for pack A and the tiles;
-    `words` is the size of A's panels."""
+    """The launches of one layout pair: per k slice, (k0, pack A, tiles), each an (addr,
+    n_chunks, cost, tail); `words` is the size of a slice of A's panels."""
 
-    __slots__ = ("shape", "words", "pack_a", "tile")
+    __slots__ = ("shape", "words", "slices")
 
 
 def _check(a, b):
@@ -66,10 +66,10 @@ def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None) -> Ra
     out = ctx.empty(plan.shape)
     s = ctx.empty((plan.words,), "f32")
     sp = s.addr
-    addr, n, cost, tail = plan.pack_a
-    ctx.launch(addr, n, cost, a.addr, sp, *tail)
-    addr, n, cost, tail = plan.tile
-    ctx.launch(addr, n, cost, sp, b.addr, out.addr, *tail)
+    sa, sb = a.strides[1] * 4, b.strides[0] * b.lay.itemsize
+    for k0, (addr, n, cost, tail), (taddr, tn, tcost, ttail) in plan.slices:
+        ctx.launch(addr, n, cost, a.addr + k0 * sa, sp, *tail)
+        ctx.launch(taddr, tn, tcost, sp, b.addr + k0 * sb, out.addr, *ttail)
     del s
     return out
 
@@ -103,19 +103,25 @@ def _make_plan(a, b, native: bool) -> Plan:
     N = b.shape[1]
     plan.shape = (M, N)
     MR, NR = g.mr(), g.nr()
-    kc = _kc(K)
-    plan.pack_a, plan.words = _pack("f32", MR, M, K, a.strides[0], a.strides[1], kc)
+    # a long k in slices (even, whole KC blocks), each packing and multiplying its share and
+    # continuing the sums the previous one left in C: the bits of one pass, and the slice of
+    # A stays in cache across the N blocks instead of streaming from memory once per N block
+    KS = K if K <= 2 * K_SLICE else K_SLICE
+    kc = _kc(KS)
     s_bk, s_bn = b.strides
     mpn, npn = -(-M // MR), -(-N // NR)
-    if K >= LONG_K:
-        MC = blocks(mpn, min(MC_PANELS, -(-mpn // 2))) * MR
-        NC = blocks(npn, LONG_NC) * NR
-    else:
-        MC = blocks(mpn, MC_PANELS) * MR
-        NC = min(blocks(npn, NC_PANELS), -(-npn // N_CHUNKS)) * NR
+    MC = blocks(mpn, MC_PANELS) * MR
+    NC = min(blocks(npn, NC_PANELS), -(-npn // N_CHUNKS)) * NR
     nmb, nnb = -(-M // MC), -(-N // NC)
     addr = kernels.get(g.GemmBf16TileKey(MR, g.NR_VECS, g.UNROLL, native, b.dtype,
                                          _mode(N, K, s_bn, s_bk), M * N >= PF_C_MIN))
-    plan.tile = (addr, nmb * nnb, M * N * K,
-                 (M, N, K, kc, MC, NC, nmb, nnb, int(N > M), s_bk, s_bn))
+    plan.slices = []
+    plan.words = 0
+    for k0 in range(0, K, KS):
+        ks = min(KS, K - k0)
+        pack, words = _pack("f32", MR, M, ks, a.strides[0], a.strides[1], kc)
+        plan.words = max(plan.words, words)
+        plan.slices.append((k0, pack, (addr, nmb * nnb, M * N * ks,
+                                       (M, N, ks, kc, MC, NC, nmb, nnb, int(N > M), s_bk, s_bn,
+                                        int(k0 > 0)))))
     return plan
