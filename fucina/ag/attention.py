@@ -152,7 +152,7 @@ def attention(op, q, k, v, heads, out_tag, scale, mask, window, bias):
         ke, ve = (ki, vi) if standard else (_expand(ctx, ki, m), _expand(ctx, vi, m))
         exa.forward(ctx, qi, ke, ve, geo, scale, br, out=oi, lse=li)
         items.append((qi, ke, ve, oi, li))
-    saved = (ctx, items, qr.shape, kr.shape, geo, scale, br, None if standard else (m, KVH))
+    saved = (ctx, items, qr.shape, kr.shape, geo, scale, None if standard else (m, KVH))
     return finish_op(op, out, q.tags[:-3] + ("seq", out_tag), (q, k, v),
                      lambda needs: functools.partial(_grads, saved, needs))
 
@@ -169,12 +169,12 @@ def _item(x, i, r):
 
 
 def _grads(saved, needs, g):
-    ctx, items, qshape, kshape, geo, scale, br, expanded = saved
+    ctx, items, qshape, kshape, geo, scale, expanded = saved
     g = ew.materialize(ctx, g)
     kv = needs[1] or needs[2]
     if len(items) == 1:
         qi, ke, ve, oi, li = items[0]
-        dq, dk, dv = exa.backward(ctx, qi, ke, ve, oi, li, g, geo, scale, kv, br)
+        dq, dk, dv = exa.backward(ctx, qi, ke, ve, oi, li, g, geo, scale, kv)
         if expanded is not None and dk is not None:
             dk, dv = _fold(ctx, dk, *expanded), _fold(ctx, dv, *expanded)
         dq, dk, dv = (None if d is None else d.view(shape, contiguous_strides(shape))
@@ -184,7 +184,7 @@ def _grads(saved, needs, g):
         dk, dv = (ctx.empty(kshape, "f32"), ctx.empty(kshape, "f32")) if kv else (None, None)
         for i, (qi, ke, ve, oi, li) in enumerate(items):
             gi = g.view(oi.shape, oi.strides, g.offset + i * oi.numel)
-            parts = exa.backward(ctx, qi, ke, ve, oi, li, gi, geo, scale, kv, br)
+            parts = exa.backward(ctx, qi, ke, ve, oi, li, gi, geo, scale, kv)
             if expanded is not None and parts[1] is not None:
                 parts = (parts[0], _fold(ctx, parts[1], *expanded), _fold(ctx, parts[2], *expanded))
             for full, part in zip((dq, dk, dv), parts):

@@ -335,6 +335,10 @@ class _Tiles:
             lambda i, v: u.const(self.vt, 0.0),
             lambda i, v, acc: u.store(b, acc, dst, self.at(i, v), "f32"), cols)
 
+    def col(self, i, j):
+        """Element offset of column j of stack row i of a score tile."""
+        return self.b.add(self.b.mul(i, u.i64(self.BK)), j)
+
     def at(self, i, v, width=None):
         """Element offset of vector v of stack row i (rows of BK values, or of `width`)."""
         return self.b.add(self.b.mul(i, u.i64(width or self.BK)), u.i64(v * self.W))
@@ -365,9 +369,9 @@ class _Tiles:
 
 
 def _fwd(key, b, args, c0, c1):
-    """args: q [S, H, D], kT [KVH, key tiles, D, BK], v [T, KVH, D], out [S, H·D] (row stride H·D), lse
-    [H, S], bias [S, ·] (key.bias), S, T, H, KVH, scale, causal, window, query tiles, bias row
-    stride. Chunk = (head h, query tile), h outer. The tile's queries run over the key tiles
+    """args: q [S, H, D], kT [KVH, key tiles, D, BK], v [T, KVH, D], out [S, H·D] (row
+    stride H·D), lse [H, S], bias [S, ·] (key.bias), S, T, H, KVH, scale, causal, window,
+    query tiles, bias row stride. Chunk = (head h, query tile), h outer. The tile's queries run over the key tiles
     they may attend: s = q·kᵀ (stack), the online softmax per row (running max m, sum l;
     p = e^(z − m) over s, alpha = e^(m_old − m)), o = alpha·o + p·v (the FMA chain starts from
     the rescaled o); at the end out = o / l, lse = m + ln l (0 and −inf for a row that attended
@@ -392,7 +396,8 @@ def _fwd(key, b, args, c0, c1):
         nq = u.smin(b, u.i64(BQ), b.sub(S, q0))
         kvh = b.sdiv(h, b.sdiv(H, KVH))
         last = b.sub(S, u.i64(1))
-        qrow = lambda i: b.add(b.mul(u.smin(b, b.add(q0, i), last), HD), b.mul(h, u.i64(D)))  # noqa: E731
+        hd = b.mul(h, u.i64(D))
+        qrow = lambda i: b.add(b.mul(u.smin(b, b.add(q0, i), last), HD), hd)  # noqa: E731
         t.fill(mrow, u.i64(t.RQ), float("-inf"))
         t.fill(lrow, u.i64(t.RQ), 0.0)
         t.fill(arow, u.i64(t.RQ), 1.0)
@@ -437,7 +442,7 @@ def _fwd(key, b, args, c0, c1):
                 u.store(b, alpha, arow, i, "f32")
             vrow = lambda j: b.add(b.mul(b.add(k0, j), KD), b.mul(kvh, u.i64(D)))  # noqa: E731
             _mm(b, nq, t.DV, nk,
-                lambda i, j: u.load(b, s, b.add(b.mul(i, u.i64(BK)), j), "f32"),
+                lambda i, j: u.load(b, s, t.col(i, j), "f32"),
                 lambda j, vv: u.load(b, v, b.add(vrow(j), u.i64(vv * W)), "f32", W, t.dmask[vv]),
                 lambda i, vv: b.fmul(u.load(b, o, t.at(i, vv, DP), "f32", W),
                                      u.splat(b, u.load(b, arow, i, "f32"), W)),
@@ -455,8 +460,8 @@ def _fwd(key, b, args, c0, c1):
 
 
 def _bwd(key, b, args, c0, c1):
-    """args: q, k (as the forward's), kT, vT [KVH, key tiles, D, BK], dout [S, H, D], lse and Dr [H, S]
-    (Dr = Σ_d dout·out per row), dq [parts, S, H, D], dk, dv [G, T, KVH, D], S, T, H, KVH,
+    """args: q, k (as the forward's), kT, vT [KVH, key tiles, D, BK], dout [S, H, D], lse and
+    Dr [H, S] (Dr = Σ_d dout·out per row), dq [parts, S, H, D], dk, dv [G, T, KVH, D], S, T, H, KVH,
     scale, causal, window, split, parts, kv (0: no dk, dv). Chunk = (head h, part), h outer:
     part 0 takes key tiles [0, split), part 1 [split, ·) (parts = 1: all). Per key tile (its dk,
     dv on the stack) the query tiles that may attend it, in order: s = q·kᵀ, p = e^(z − lse),
@@ -519,8 +524,8 @@ def _bwd(key, b, args, c0, c1):
                         b, vmath.exp(b, b.fsub(z(col, m), ls)), sb, col, "f32", m))
                     _zero_outside(b, sb, lo, hi, u.i64(BK), W)
                 with b.if_then(kv):    # dv += pᵀ·dout
-                    t.rows_into(dva, nk, nq, lambda j, i: u.load(b, p, b.add(b.mul(i, u.i64(BK)), j),
-                                                                 "f32"), g, rowq)
+                    t.rows_into(dva, nk, nq, lambda j, i: u.load(b, p, t.col(i, j), "f32"),
+                                g, rowq)
                 t.scores(ds, g, rowq, nq, t.panel(vT, kvh, k0), kmask)
                 with u.Loop(b, u.i64(0), nq, 1, "r") as i:
                     dr = u.splat(b, u.load(b, Dr, b.add(b.mul(h, S), b.add(q0, i)), "f32"), W)
@@ -532,8 +537,8 @@ def _bwd(key, b, args, c0, c1):
                                           b.fsub(u.load(b, gb, col, "f32", W), dr)), scales)
                         u.store(b, x, gb, col, "f32")
                 with b.if_then(kv):    # dk += dsᵀ·q
-                    t.rows_into(dka, nk, nq, lambda j, i: u.load(b, ds, b.add(b.mul(i, u.i64(BK)), j),
-                                                                 "f32"), q, rowq)
+                    t.rows_into(dka, nk, nq, lambda j, i: u.load(b, ds, t.col(i, j), "f32"),
+                                q, rowq)
                 # dq[part] += ds·k, rows past nq masked off
                 dqrow = lambda i: b.add(b.mul(b.add(q0, i), HD), hd)  # noqa: E731
 
@@ -542,7 +547,7 @@ def _bwd(key, b, args, c0, c1):
                     return b.select(b.icmp_signed("<", i, nq), full, gemm.zero_mask(W))
 
                 _mm(b, nq, t.DV, nk,
-                    lambda i, j: u.load(b, ds, b.add(b.mul(i, u.i64(BK)), j), "f32"),
+                    lambda i, j: u.load(b, ds, t.col(i, j), "f32"),
                     lambda j, vv: u.load(b, k, b.add(krow(j), u.i64(vv * W)), "f32", W,
                                          t.dmask[vv]),
                     lambda i, vv: u.load(b, dqh, b.add(dqrow(i), u.i64(vv * W)), "f32", W,

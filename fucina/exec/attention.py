@@ -129,9 +129,9 @@ def _split(geo):
     return 2, nkt - 1
 
 
-def backward(ctx, q, k, v, out, lse, g, geo: Geometry, scale: float, kv_grads: bool,
-             bias: RawTensor | None = None):
-    """(dq [S, H, D], dk, dv [T, KVH, D] or None) from the upstream gradient g [S, H·D]."""
+def backward(ctx, q, k, v, out, lse, g, geo: Geometry, scale: float, kv_grads: bool):
+    """(dq [S, H, D], dk, dv [T, KVH, D] or None) from the upstream gradient g [S, H·D] (a
+    bias is inference-only: the op refuses one that needs a gradient)."""
     S, H, D, T, KVH, G = geo.S, geo.H, geo.D, geo.T, geo.KVH, geo.G
     Dr = ctx.empty((H, S), "f32")
     ctx.launch(kernels.get(AttentionKey("rowdot")), -(-(S * H) // _per(D)), S * H * D * 8,

@@ -6,8 +6,8 @@ strides, and returns a contiguous f32 c[M, N] = bf16(a) · bf16(b) with f32 accu
 read as zero, vdpbf16ps where the host has it, its bit-exact emulation elsewhere). Two
 launches (per k slice, for a long k): pack A into pair panels, then a grid of (M-block,
 N-block) tiles fixed by the problem size, each packing its panels of b into L1 as it goes —
-bitwise identical for any thread count. M blocks are large (b, the frozen weight, is read once per M block) and N blocks small
-enough that there are several chunks for the threads.
+bitwise identical for any thread count. M blocks are large (b, the frozen weight, is read
+once per M block) and N blocks small enough that there are several chunks for the threads.
 """
 from __future__ import annotations
 
