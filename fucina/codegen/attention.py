@@ -34,7 +34,7 @@ from . import irutil as u
 from . import vmath
 from .emit import fold, lane_tree
 from .kernels import KernelKey, register
-from .rows import accs_of, fadd, finite, fmax, fold_pass, map_pass
+from .rows import accs_of, exp_sum, fadd, finite, fmax, fold_pass, map_pass, max_of
 from .target import host
 
 OPS = ("forward", "backward", "rowdot", "decode")
@@ -407,37 +407,25 @@ def _fwd(key, b, args, c0, c1):
         wstart = b.select(b.icmp_signed("<", wstart, u.i64(0)), u.i64(0), wstart)
         kstart = b.select(b.and_(causal, b.icmp_signed(">", window, u.i64(0))), wstart, u.i64(0))
         kfirst = b.mul(b.sdiv(kstart, u.i64(BK)), u.i64(BK))
+        pos = lambda i: b.add(off, b.add(q0, i))  # noqa: E731  (absolute position)
         with u.Loop(b, kfirst, kend, BK, "k0") as k0:
             nk = u.smin(b, u.i64(BK), b.sub(kend, k0))
-            pos = lambda i: b.add(off, b.add(q0, i))  # noqa: E731
             t.scores(s, q, qrow, nq, t.panel(kT, kvh, k0), t.key_masks(nk),
                      t.needed(pos, k0, nk, causal, window))
             with u.Loop(b, u.i64(0), nq, 1, "r") as i:
-                lo, hi = t.bounds(b.add(off, b.add(q0, i)), k0, nk, causal, window)
+                lo, hi = t.bounds(pos(i), k0, nk, causal, window)
                 sb = b.gep(s, [b.mul(i, u.i64(BK))], source_etype=u.F32)
                 biasb = (b.gep(bias, [b.add(b.mul(b.add(q0, i), bstride), k0)],
                                source_etype=u.F32) if key.bias else None)
                 z = _scores(key, b, sb, biasb, scales, W)
-                for p in mx:
-                    b.store(u.const(t.vt, float("-inf")), p)
-                fold_pass(b, lo, hi, W, mx, z, fmax, float("-inf"))
                 m_old, l_old = u.load(b, mrow, i, "f32"), u.load(b, lrow, i, "f32")
-                m_new = fmax(b, fold(b, mx, fmax), m_old)
+                m_new = fmax(b, max_of(b, lo, hi, W, mx, z), m_old)
                 fin = finite(b, m_new)
                 shift = b.select(fin, m_new, zero1)
                 alpha = b.select(fin, vmath.exp(b, b.fsub(m_old, shift)), one)
-                ms = u.splat(b, shift, W)
-
-                def e(col, msk):
-                    x = vmath.exp(b, b.fsub(z(col, msk), ms))
-                    u.store(b, x, sb, col, "f32", msk)
-                    return x
-
-                for p in sx:
-                    b.store(u.const(t.vt, 0.0), p)
-                fold_pass(b, lo, hi, W, sx, e, fadd, 0.0)
+                tile_sum = exp_sum(b, lo, hi, W, sx, z, u.splat(b, shift, W), sb)
                 _zero_outside(b, sb, lo, hi, nk, W)
-                u.store(b, b.fadd(b.fmul(l_old, alpha), fold(b, sx, fadd)), lrow, i, "f32")
+                u.store(b, b.fadd(b.fmul(l_old, alpha), tile_sum), lrow, i, "f32")
                 u.store(b, m_new, mrow, i, "f32")
                 u.store(b, alpha, arow, i, "f32")
             vrow = lambda j: b.add(b.mul(b.add(k0, j), KD), b.mul(kvh, u.i64(D)))  # noqa: E731
@@ -453,7 +441,7 @@ def _fwd(key, b, args, c0, c1):
             inv = u.splat(b, b.select(some, b.fdiv(one, l), zero1), W)
             u.store(b, b.select(some, b.fadd(m, vmath.log(b, l)), ninf), lse,
                     b.add(b.mul(h, S), b.add(q0, i)), "f32")
-            orow = b.add(b.mul(b.add(q0, i), HD), b.mul(h, u.i64(D)))
+            orow = b.add(b.mul(b.add(q0, i), HD), hd)
             for vv in range(t.DV):
                 x = b.fmul(u.load(b, o, t.at(i, vv, DP), "f32", W), inv)
                 u.store(b, x, out, b.add(orow, u.i64(vv * W)), "f32", t.dmask[vv])
@@ -514,7 +502,7 @@ def _bwd(key, b, args, c0, c1):
                 t.scores(p, q, rowq, nq, t.panel(kT, kvh, k0), kmask,
                          t.needed(pos, k0, nk, causal, window))
                 with u.Loop(b, u.i64(0), nq, 1, "r") as i:
-                    lo, hi = t.bounds(b.add(off, b.add(q0, i)), k0, nk, causal, window)
+                    lo, hi = t.bounds(pos(i), k0, nk, causal, window)
                     lv = u.load(b, lse, b.add(b.mul(h, S), b.add(q0, i)), "f32")
                     hi = b.select(finite(b, lv), hi, lo)   # a row that attended nothing: p = 0
                     sb = b.gep(p, [b.mul(i, u.i64(BK))], source_etype=u.F32)

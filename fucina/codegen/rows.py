@@ -83,27 +83,47 @@ def finite(b, m):
     return b.fcmp_ordered("<", vmath.fabs(b, m), u.const(m.type, float("inf")))
 
 
+def max_of(b, start, stop, W, mx, value):
+    """The max of value(c, mask) over [start, stop), through the slots mx (reset here)."""
+    for p in mx:
+        b.store(u.const(ir.VectorType(u.F32, W), float("-inf")), p)
+    fold_pass(b, start, stop, W, mx, value, fmax, float("-inf"))
+    return fold(b, mx, fmax)
+
+
+def exp_sum(b, start, stop, W, sx, value, shift, dst=None):
+    """Σ e^(value(c, mask) − shift) over [start, stop) (shift a vector), through the slots sx
+    (reset here); with `dst`, each e^(value − shift) is stored at dst[c] on the way: a
+    softmax's numerators and their sum."""
+    def e(c, msk):
+        x = vmath.exp(b, b.fsub(value(c, msk), shift))
+        if dst is not None:
+            u.store(b, x, dst, c, "f32", msk)
+        return x
+
+    for p in sx:
+        b.store(u.const(ir.VectorType(u.F32, W), 0.0), p)
+    fold_pass(b, start, stop, W, sx, e, fadd, 0.0)
+    return fold(b, sx, fadd)
+
+
 def row_max_sum(b, xb, K, W, mx, sx, sx2=None):
     """(m shifted to 0 when not finite, S = sum exp(x - m)[, sum x]) of the row at xb.
     With `sx2` slots, sum x is folded in the max pass (cross-entropy's label smoothing)."""
     vt = ir.VectorType(u.F32, W)
-    for p in mx:
-        b.store(u.const(vt, float("-inf")), p)
     load = lambda c, m: u.load(b, xb, c, "f32", W, m)  # noqa: E731
     if sx2 is None:
-        fold_pass(b, u.i64(0), K, W, mx, load, fmax, float("-inf"))
+        m = max_of(b, u.i64(0), K, W, mx, load)
         sumx = None
     else:
+        for p in mx:
+            b.store(u.const(vt, float("-inf")), p)
         for p in sx2:
             b.store(u.const(vt, 0.0), p)
         fold_passes(b, u.i64(0), K, W, [mx, sx2], lambda c, m: [load(c, m)] * 2, [fmax, fadd],
                     [float("-inf"), 0.0])
         sumx = fold(b, sx2, fadd)
-    m = fold(b, mx, fmax)
+        m = fold(b, mx, fmax)
     m = b.select(finite(b, m), m, u.const(u.F32, 0.0))
-    ms = u.splat(b, m, W)
-    for p in sx:
-        b.store(u.const(vt, 0.0), p)
-    fold_pass(b, u.i64(0), K, W, sx, lambda c, msk: vmath.exp(b, b.fsub(load(c, msk), ms)), fadd, 0.0)
-    S = fold(b, sx, fadd)
+    S = exp_sum(b, u.i64(0), K, W, sx, load, u.splat(b, m, W))
     return (m, S) if sx2 is None else (m, S, sumx)

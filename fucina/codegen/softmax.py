@@ -36,7 +36,7 @@ from llvmlite import ir
 from . import irutil as u
 from . import vmath
 from .emit import fold
-from .rows import accs_of, fadd, fmax, fold_pass, map_pass, row_max_sum
+from .rows import accs_of, exp_sum, fadd, fmax, fold_pass, map_pass, max_of, row_max_sum
 from .kernels import KernelKey, register
 from .target import host
 
@@ -152,25 +152,12 @@ def _softmax(key, b, args, c0, c1):
                 mv = b.fmul(slopes_v, mv)
             return b.fadd(v, mv)
 
-        for p in mx:
-            b.store(u.const(vt, float("-inf")), p)
-        fold_pass(b, u.i64(0), L, W, mx, z, fmax, float("-inf"))
-        m = fold(b, mx, fmax)
+        m = max_of(b, u.i64(0), L, W, mx, z)
         sink = None
         if key.sinks:
             sink = u.load(b, sinks, head, "f32")
             m = fmax(b, m, sink)
-        ms = u.splat(b, m, W)
-
-        def e(c, msk):
-            v = vmath.exp(b, b.fsub(z(c, msk), ms))
-            u.store(b, v, ob, c, "f32", msk)
-            return v
-
-        for p in sx:
-            b.store(u.const(vt, 0.0), p)
-        fold_pass(b, u.i64(0), L, W, sx, e, fadd, 0.0)
-        S = fold(b, sx, fadd)
+        S = exp_sum(b, u.i64(0), L, W, sx, z, u.splat(b, m, W), ob)
         if sink is not None:
             S = b.fadd(S, vmath.exp(b, b.fsub(sink, m)))
         inv = u.splat(b, b.fdiv(u.const(u.F32, 1.0), S), W)
