@@ -135,6 +135,37 @@ def test_dot_gradient_adds_into_the_accumulated_one(ctx, monkeypatch):
     np.testing.assert_allclose(fused, t.grad.numpy(), rtol=1e-5, atol=1e-4)
 
 
+def test_every_later_dot_adds_into_the_gradient(ctx, monkeypatch):
+    """x feeding four dots (q, k, v and a LoRA side in a decoder) gets one gradient buffer:
+    the first VJP's fresh one, the other three adding into it in place — the engine keeps no
+    reference to it between VJPs that would make it look shared. No separate add runs, and
+    the bits are those of the separate adds."""
+    from fucina.ag import engine
+    rng = np.random.default_rng(4)
+    xs = rng.standard_normal((6, 5)).astype(np.float32)
+    ws = [rng.standard_normal((n, 5)).astype(np.float32) for n in (4, 3, 3, 2)]
+
+    def grads():
+        x = ctx.variable(xs, ("s", "i"))
+        with ctx.exec_scope():
+            outs = [x.dot(ctx.tensor(w, (f"o{j}", "i")), "i") for j, w in enumerate(ws)]
+            loss = outs[0].mul(outs[0]).sum_all()
+            for o in outs[1:]:
+                loss = loss.add(o.mul(o).sum_all())
+            loss.backward()
+            return x.grad().numpy()
+
+    adds = []
+    real = engine.add_into
+    monkeypatch.setattr(engine, "add_into",
+                        lambda c, acc, g: adds.append(acc.shape) or real(c, acc, g))
+    fused = grads()
+    assert (6, 5) not in adds
+    monkeypatch.setattr(engine, "_reusable", lambda g, p: None)
+    assert_bitwise(fused, grads())
+    assert adds.count((6, 5)) == 3
+
+
 def test_each_leaf_owns_its_gradient(ctx):
     """add hands both operands one buffer and backward(grad=G) starts from the caller's G: every
     leaf still gets its own accumulator, so scaling one gradient touches nothing else."""

@@ -155,6 +155,7 @@ def backward(root, seed) -> None:
                     ready.append(parent)
                 elif not isinstance(parent, Leaf):  # nothing flowed in: its subtree gets nothing
                     _drain(parent, ready, grads)
+        outs = gp = prev = None  # held on, they would keep the next VJP from adding in place
 
 
 def _reusable(grads, parent):
