@@ -552,7 +552,7 @@ def _hot_loop(asm: str) -> list[str]:
     return max(inner, key=lambda b: sum("vfmadd" in x for x in b), default=[])
 
 
-@pytest.mark.parametrize("kind", ["packed", "direct-wvec", "direct-kvec"])
+@pytest.mark.parametrize("kind", ["packed", "packed-rows", "direct-wvec", "direct-kvec"])
 def test_micro_kernel_inner_loop_is_tight(kind):
     """The tile kernel's hot loop: MR x NR/16 x UNROLL zmm FMAs, no stack traffic (no spills;
     the direct-b kernels' panel buffer is addressed through a register like packed B)."""
@@ -560,7 +560,8 @@ def test_micro_kernel_inner_loop_is_tight(kind):
     from fucina.codegen.jit import assembly
     from fucina.codegen.target import host
 
-    key = (g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL) if kind == "packed" else
+    key = (g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL, a_rows=kind == "packed-rows")
+           if kind.startswith("packed") else
            g.GemmTileDirectKey("f32", kind.split("-")[1], g.mr(), g.NR_VECS, g.UNROLL))
     body = _hot_loop(assembly(key.ir("k")))
     fmas = [x for x in body if "vfmadd" in x]
@@ -575,7 +576,7 @@ def test_micro_kernel_inner_loop_is_tight(kind):
     assert not [x for x in body if spill.search(x)], "stack traffic in the hot loop"
     stores = [x for x in body if x.rstrip().endswith(")") and "%rsp" in x[x.rfind("("):]]
     assert not stores, "stores to the stack in the hot loop"
-    if kind == "packed":
+    if kind.startswith("packed"):
         assert not [x for x in body if "%rsp" in x], "stack traffic in the hot loop"
 
 
@@ -668,3 +669,38 @@ def test_k_slices_keep_the_bits(direct, tb, scale, monkeypatch):
     mm._plans.clear()
     assert_bitwise(outs[0], outs[1])
     np.testing.assert_allclose(outs[0][0], scale * _ref(A, B), rtol=0, atol=_tol(A, B))
+
+
+@pytest.mark.parametrize("shape", [(300, 40, 70), (1000, 2 * 256 + 37, 33), (617, 576, 192)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("tb", [False, True], ids=["n", "t"])
+def test_a_read_in_place_keeps_the_bits(shape, tb, monkeypatch):
+    """Beside packed b, a row-major A (also a view with a longer row stride) is read in place
+    by the tile kernel — no pack pass over it, a partial last micro-tile re-reading A's last
+    row into accumulators it never stores — with the bits of packed A panels: plain, scaled,
+    accumulating into out, in k slices, at 1 and 2 threads; a transposed A is still packed."""
+    from fucina.codegen import gemm as g
+    M, K, N = shape
+    rng = np.random.default_rng(M + K)
+    A, B, C0 = _data(rng, M, K + 5), _data(rng, K, N), _data(rng, M, N)
+
+    def run(ctx):
+        a = ctx.from_numpy(A)
+        a = a.view((M, K), a.strides)               # row stride K + 5
+        b, acc = _operand(ctx, B, tb), ctx.from_numpy(C0)
+        gemm(ctx, a, b, out=acc, accumulate=True, scale=0.75)
+        at = _operand(ctx, np.ascontiguousarray(A[:, :K]), True)
+        return np.stack([gemm(ctx, a, b).to_numpy(), acc.to_numpy(), gemm(ctx, at, b).to_numpy()])
+
+    outs = []
+    for rows in (False, True):
+        _route(monkeypatch, False)
+        monkeypatch.setattr(mm, "DIRECT_A", rows)
+        monkeypatch.setattr(mm, "K_SLICE", 2 * g.KC)
+        mm._plans.clear()
+        outs.append(_both_threads(run))
+        in_place = sorted({k.a_rows for k in _tile_keys()})
+        assert in_place == ([False, True] if rows else [False])
+    mm._plans.clear()
+    assert_bitwise(outs[0], outs[1])
+    np.testing.assert_allclose(outs[1][0], _ref(A[:, :K], B), rtol=0, atol=_tol(A, B))

@@ -14,7 +14,8 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
   gemm_tile  one chunk = one (batch, MC-row block, NC-column block) tile of C. For each KC
              block in increasing order, for each NR panel of the tile's columns, for each MR
              panel of its rows: MR x NR accumulators (MR * NR/W vector registers; 8 x 2 zmm on
-             AVX-512, FMAs with broadcasts from packed A and vector loads from packed B) run one
+             AVX-512, FMAs with broadcasts from packed A — or from A's rows in place, a_rows —
+             and vector loads from packed B) run one
              FMA chain per output element over k in increasing order, starting from the
              partial sum of the previous KC block (reloaded from memory: storing and reloading
              an f32 does not change it). So every c[i, j] = fma(a[i,K-1], b[K-1,j], ...
@@ -302,13 +303,15 @@ class GemmTileKey(KernelKey):
     """C tiles from packed panels (see the module docstring).
 
     Arguments: 0 Ap, 1 Bp, 2 C, 3 Cpart, 4 M, 5 N, 6 K, 7 KC, 8 MC, 9 NC, 10 M blocks,
-    11 N blocks, 12 Ap batch stride, 13 Bp batch stride (floats; 0 = broadcast), 14 flags
+    11 N blocks, 12 Ap batch stride (a_rows: 0 = A itself, 12 = its row stride, one batch),
+    13 Bp batch stride (floats; 0 = broadcast), 14 flags
     (SLICE_* bits: accumulate; a k slice that continues the sums in Cpart; one that leaves its
     sums there for a next slice), 15 M blocks fastest (else N blocks fastest) in the chunk
     order. C is contiguous [batch, M, N]; Cpart (partial sums when accumulate and K > KC, or
     between k slices) likewise.
     pf_c: prefetch the next micro-tile's C lines (exec sets it for a C too big to stay cached).
     scale: each result is s·sum (see the module docstring).
+    a_rows: A read in place from a row-major operand (emit_tile), no gemm_pack pass over it.
     """
     family = "gemm_tile"
     mr: int
@@ -316,10 +319,11 @@ class GemmTileKey(KernelKey):
     unroll: int
     pf_c: bool = False
     scale: float = 1.0
+    a_rows: bool = False
 
     def ir(self, symbol: str) -> str:
         return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll, _packed_b, self.pf_c,
-                             self.scale))
+                             self.scale, self.a_rows))
 
 
 def _packed_b(b, args, N, K, NRc):
@@ -427,7 +431,7 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
 
 
 def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
-              scale: float = 1.0) -> ir.Module:
+              scale: float = 1.0, a_rows: bool = False) -> ir.Module:
     """The tile kernel of gemm_tile's argument block, MR = R rows x V vectors of accumulators,
     the k loop unrolled U times. Where its B panels come from is the hook's business (the
     packed panels of gemm_pack here; blocks decoded on the fly for the quantized matmul):
@@ -438,7 +442,11 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
     ahead(bt, k0, j0, col0, col1, part, parts) emitted before each MR panel's micro-kernel
     run (part of parts), to prefetch a share of what the tile's next panel will read.
     pf_c: each micro-tile prefetches the next one's C lines (prefetch_next_tile).
-    scale: the final sums are multiplied by it (rounded) before they are stored or added."""
+    scale: the final sums are multiplied by it (rounded) before they are stored or added.
+    a_rows: argument 0 is A itself, row-major (unit stride along k, row stride argument 12,
+    one batch), read in place: row i0 + r of a micro-tile is A's row min(i0 + r, M - 1) (a
+    row past M feeds only accumulators that are never stored), so no gemm_pack pass over A
+    and the same FMA chains."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
     vt = _vt(W)
@@ -481,7 +489,13 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                 with u.Loop(b, row0, row1, R, "i0") as i0:
                     if ahead is not None:
                         ahead(bt, k0, j0, col0, col1, b.sdiv(b.sub(i0, row0), u.i64(R)), nparts)
-                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
+                    if a_rows:
+                        last_row = b.sub(M, u.i64(1))
+                        arow = [b.gep(Ap, [b.add(b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
+                                                       sAp), k0)], source_etype=u.F32)
+                                for r in range(R)]
+                    else:
+                        ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
                     mvalid = b.sub(M, i0)
                     coff = b.add(cbat, b.add(b.mul(i0, N), j0))
                     if pf_c:
@@ -524,7 +538,8 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                         bv = [u.load(b, bp, b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W)), "f32", W)
                               for v in range(V)]
                         for r in range(R):
-                            a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
+                            a = b.load(b.gep(arow[r], [kk], source_etype=u.F32) if a_rows else
+                                       b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
                                              source_etype=u.F32), typ=u.F32)
                             av = u.splat(b, a, W)
                             for v in range(V):
