@@ -150,14 +150,18 @@ def real_files() -> list[tuple[str, str]]:
 
 def _one(threads: int, quick: bool) -> list[dict]:
     path, label = model_file()
-    out = _rows(path, label, threads, quick, (256,) if quick else (256, 1024), True)
+    peak = c.gemm_rate(threads)
+    out = _rows(path, label, threads, quick, (256,) if quick else (256, 1024), True, peak)
     out += bf16_rows(path, label, threads, quick, (256,) if quick else (256, 1024))
     for path, label in real_files():     # issue 17: the real files, seq 256, 3 timed steps
-        out += _rows(path, label, threads, True, (256,), False)
+        out += _rows(path, label, threads, True, (256,), False, peak)
     return out
 
 
-def _rows(path, label, threads, quick, seqs, rss) -> list[dict]:
+def _rows(path, label, threads, quick, seqs, rss, peak) -> list[dict]:
+    """The step against transformers + peft. With rss (the SmolLM2 rows of issue 18) the
+    target also asks ≥ 85 % of our 1024³ f32 GEMM rate (`peak`, same process) in FLOP terms
+    and a peak RSS no higher than theirs; the real files' rows (issue 17) ask the speed only."""
     torch = c.torch()
     out = []
     for seq in seqs:
@@ -179,18 +183,22 @@ def _rows(path, label, threads, quick, seqs, rss) -> list[dict]:
             rss_f = None if quick or not rss else _rss("fucina", path, targets, seq, threads)
             rss_h = None if quick or not rss or hstep is None else _rss("hf", path, targets, seq,
                                                                         threads)
+            share = rate / peak
             note = (f"{label}; {len(batches) - 1} timed steps after a warm-up, medians; {rate / 1e9:.0f} "
-                    f"GFLOP/s of matrix work; first losses {fl[0]:.4f} (fucina)"
+                    f"GFLOP/s of matrix work = **{share:.0%}** of our 1024³ f32 GEMM rate "
+                    f"({peak / 1e9:.0f} GFLOP/s, same process); first losses {fl[0]:.4f} (fucina)"
                     + (f" / {hl[0]:.4f} (transformers)" if hl else "")
                     + (f"; peak RSS {rss_f:.0f} MB" if rss_f else "")
                     + (f" vs {rss_h:.0f} MB (transformers + peft)" if rss_h else ""))
             met = (hf_s / fu_s >= 1.6) if hf_s else None
+            target = "≥ 1.6× transformers + peft" if hf_s else ""
+            if rss and hf_s:
+                target += ", ≥ 85 % of our 1024³ rate, peak RSS ≤ theirs"
+                met = met and share >= 0.85 and (rss_f is None or rss_h is None or rss_f <= rss_h)
             what = f"LoRA r8 on {tname}, seq {seq}" if rss else f"{label.split(' (')[0]}: LoRA r8 " \
                 f"on {tname}, seq {seq}"
             out.append(row(GROUP, f"{what}: loss + backward + clip + AdamW vs transformers + peft",
-                           threads, fu_s, hf_s,
-                           target="≥ 1.6× transformers + peft" if hf_s else "", met=met,
-                           note=note))
+                           threads, fu_s, hf_s, target=target, met=met, note=note))
     return out
 
 

@@ -432,6 +432,45 @@ def vs_torch(group: str, what: str, threads, fucina: Timing, torch_t: Timing | N
     return r
 
 
+def gemm_rate(threads: int) -> float:
+    """Our f32 1024³ GEMM rate (FLOP/s) at `threads`, the medians of interleaved blocks: the
+    "GEMM peak" the training-step targets are set against (issue 18)."""
+    import numpy as np
+
+    import fucina as fu
+    ctx = fu.ExecContext(threads=threads)
+    rng = np.random.default_rng(0)
+    a = ctx.tensor(rng.standard_normal((1024, 1024), dtype=np.float32), ("m", "k"))
+    b = ctx.tensor(rng.standard_normal((1024, 1024), dtype=np.float32), ("n", "k"))
+    t = interleaved({"mm": lambda: a.dot(b, "k")}, repeats=5, block_s=0.2)
+    ctx.close()
+    return 2 * 1024 ** 3 / t["mm"].median
+
+
+GEMM_FAMILIES = ("gemm_pack", "gemm_tile", "gemm_tile_direct", "gemm_small")
+
+
+def gemm_seconds(ctx, fn) -> float:
+    """Seconds of fn() spent in f32 GEMM launches (packs and tiles) on ctx: every launch is
+    timed (they are synchronous) and charged by its kernel's family."""
+    from fucina.codegen import kernels
+    spent = {}
+    real = ctx.launch
+
+    def timed(addr, n, cost, *args):
+        t0 = time.perf_counter()
+        real(addr, n, cost, *args)
+        spent[addr] = spent.get(addr, 0.0) + time.perf_counter() - t0
+
+    ctx.launch = timed
+    try:
+        fn()
+    finally:
+        del ctx.launch
+    family = {addr: key.family for key, addr in kernels._memo.items()}
+    return sum(t for addr, t in spent.items() if family.get(addr) in GEMM_FAMILIES)
+
+
 def alternating_steps(batches, ours, theirs, threads: int) -> tuple:
     """Whole training steps timed side by side: for each batch our step, then theirs (under
     `threads` torch threads; theirs may be None), the first batch a warm-up. Returns (our
