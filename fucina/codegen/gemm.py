@@ -15,10 +15,9 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              block in increasing order, for each NR panel of the tile's columns, for each MR
              panel of its rows: MR x NR accumulators (MR * NR/W vector registers; 8 x 2 zmm on
              AVX-512, FMAs with broadcasts from packed A — or from A's rows in place, a_rows —
-             and vector loads from packed B) run one
-             FMA chain per output element over k in increasing order, starting from the
-             partial sum of the previous KC block (reloaded from memory: storing and reloading
-             an f32 does not change it). So every c[i, j] = fma(a[i,K-1], b[K-1,j], ...
+             and vector loads from packed B) run one FMA chain per output element over k in
+             increasing order, starting from the partial sum of the previous KC block
+             (reloaded from memory: storing and reloading an f32 does not change it). So every c[i, j] = fma(a[i,K-1], b[K-1,j], ...
              fma(a[i,0], b[0,j], 0)) in that order whatever MC, NC or the thread count, and the
              chunk grid is fixed by the problem size: bitwise identical for any thread count.
              With `accumulate` the chain's result is added to c in one final rounding
@@ -303,8 +302,8 @@ class GemmTileKey(KernelKey):
     """C tiles from packed panels (see the module docstring).
 
     Arguments: 0 Ap, 1 Bp, 2 C, 3 Cpart, 4 M, 5 N, 6 K, 7 KC, 8 MC, 9 NC, 10 M blocks,
-    11 N blocks, 12 Ap batch stride (a_rows: 0 = A itself, 12 = its row stride, one batch),
-    13 Bp batch stride (floats; 0 = broadcast), 14 flags
+    11 N blocks, 12 Ap batch stride (floats; with a_rows, 0 is A itself and 12 its row
+    stride, one batch), 13 Bp batch stride (floats; 0 = broadcast), 14 flags
     (SLICE_* bits: accumulate; a k slice that continues the sums in Cpart; one that leaves its
     sums there for a next slice), 15 M blocks fastest (else N blocks fastest) in the chunk
     order. C is contiguous [batch, M, N]; Cpart (partial sums when accumulate and K > KC, or
