@@ -46,19 +46,25 @@ def binary(op: str, x, y, tags, shape, vx, vy):
                        y.tags, y._raw.shape), needs))
 
 
-def kept(op: str, vx, vy, out, needs) -> tuple:
-    """(x, y, out) as binary_grads reads them for these needs, None for the rest: a saved
-    tensor stays alive until the backward, so an add keeps nothing and a mul only the other
-    operand of each gradient it owes."""
+def keeps(op: str, needs) -> tuple:
+    """Which of (x, y, out) binary_grads reads for these needs: a saved tensor stays alive
+    until the backward, so an add keeps nothing and a mul only the other operand of each
+    gradient it owes."""
     if op in ("add", "sub"):
-        return None, None, None
+        return False, False, False
     if op == "mul":
-        return (vx if needs[1] else None), (vy if needs[0] else None), None
+        return needs[1], needs[0], False
     if op == "div":
-        return (vx if needs[1] else None), vy, None
+        return needs[1], True, False
     if op == "pow":
-        return vx, vy, (out if needs[1] else None)
-    return vx, vy, None
+        return True, True, needs[1]
+    return True, True, False
+
+
+def kept(op: str, vx, vy, out, needs) -> tuple:
+    """(x, y, out) as binary_grads reads them for these needs (keeps), None for the rest."""
+    kx, ky, ko = keeps(op, needs)
+    return (vx if kx else None), (vy if ky else None), (out if ko else None)
 
 
 def binary_grads(saved, needs, g):
@@ -197,27 +203,28 @@ class ElementwiseMethods:
             p = _PLANS.get((op, a.lay, None if b is None else b.lay, self.tags, other.tags))
             if p is None or b.ctx is not ctx or ctx.closed:
                 return self._binary_slow(op, other, reflected)
-            lay, tags, addr, nch, cost, tail, la, lb = p
-            out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
+            lay, tags, addr, nch, cost, tail, la, lb, size, keep = p
+            out = RawTensor(ctx.pool.alloc(size, lay.dtype == "f32"), lay, 0, ctx)
             ctx.launch(addr, nch, cost, out.addr, a.addr, b.addr, *tail)
             na, nb = self._node, other._node
             node = None
             if (na is not None or nb is not None) and not engine._mode.disabled:
                 if lay.dtype != "f32":
                     return self._binary_slow(op, other, reflected)
-                va = a if la is None else RawTensor(a.buf, la, a.offset, ctx)
-                vb = b if lb is None else RawTensor(b.buf, lb, b.offset, ctx)
                 needs = (na is not None, nb is not None)
-                saved = (op, ctx, tags, lay.shape, *kept(op, va, vb, out, needs), self.tags,
+                kx, ky, ko = keep[needs]
+                va = None if not kx else a if la is None else RawTensor(a.buf, la, a.offset, ctx)
+                vb = None if not ky else b if lb is None else RawTensor(b.buf, lb, b.offset, ctx)
+                saved = (op, ctx, tags, lay.shape, va, vb, out if ko else None, self.tags,
                          a.lay.shape, other.tags, b.lay.shape)
                 node = engine.Node(op, (na, nb), functools.partial(binary_grads, saved, needs))
         elif type(other) is float or type(other) is int:
             p = _PLANS.get((op, a.lay, reflected, self.tags, type(other)))
             if p is None or ctx.closed or (self._node is not None and not engine._mode.disabled):
                 return self._binary_slow(op, other, reflected)
-            lay, tags, addr, nch, cost, tail, _, _ = p
+            lay, tags, addr, nch, cost, tail, _, _, size, _ = p
             bits = ew.cached_f32_bits(other) if lay.dtype != "i64" else other & 0xFFFFFFFFFFFFFFFF
-            out = RawTensor(ctx.pool.alloc(max(lay.nbytes, 64), lay.dtype == "f32"), lay, 0, ctx)
+            out = RawTensor(ctx.pool.alloc(size, lay.dtype == "f32"), lay, 0, ctx)
             x, y = (bits, a.addr) if reflected else (a.addr, bits)
             ctx.launch(addr, nch, cost, out.addr, x, y, *tail)
             node = None
@@ -241,7 +248,8 @@ class ElementwiseMethods:
             addr, nch, cost, tail = ew.plan_of(op, out.dtype, shape, (va, vb))
             _PLANS[(op, a.lay, b.lay, self.tags, other.tags)] = (
                 out.lay, tags, addr, nch, cost, tail, None if va is a else va.lay,
-                None if vb is b else vb.lay)
+                None if vb is b else vb.lay, max(out.lay.nbytes, 64),
+                {n: keeps(op, n) for n in ((True, True), (True, False), (False, True))})
             return self._result(out, tags, node)
         if isinstance(other, numbers.Real) and not isinstance(other, bool):
             if a.dtype == "i64" and not isinstance(other, numbers.Integral):
@@ -251,7 +259,8 @@ class ElementwiseMethods:
                 operands = (other, a) if reflected else (a, other)
                 addr, nch, cost, tail = ew.plan_of(op, out.dtype, a.shape, operands)
                 _PLANS[(op, a.lay, reflected, self.tags, type(other))] = (
-                    out.lay, tags, addr, nch, cost, tail, None, None)
+                    out.lay, tags, addr, nch, cost, tail, None, None, max(out.lay.nbytes, 64),
+                    None)
             return self._result(out, tags, node)
         raise InvalidArgumentType(f"{op}: expected a Tensor or a real number as the other operand, "
                         f"got {type(other).__name__}")

@@ -171,8 +171,14 @@ class Context:
         return self._team
 
     def launch(self, addr: int, n_chunks: int, cost: int, *args) -> None:
+        """Run a kernel over its chunks. Once the team exists the runtime picks inline or
+        split by the same rule as team_for (one Python call less per launch); the team is
+        started by the first launch worth splitting."""
         if n_chunks:  # no chunk, no work: not even the runtime's call
-            _rt.launch(self.team_for(n_chunks, cost), addr, n_chunks, cost, *args)
+            team = self._team
+            if team is None and n_chunks > 1 and cost >= INLINE_THRESHOLD and self.threads > 1:
+                team = self.team()
+            _rt.launch(team, addr, n_chunks, cost, *args)
 
     def team_for(self, n_chunks: int, cost: int):
         """The team when a job is worth splitting, else None (run inline on the caller)."""
