@@ -9,11 +9,12 @@ cross_entropy, the usual eager form), AdamW (lr 3e-4, β 0.9/0.95, no decay; PyT
 `fused=True`). Both start from the same float32 weights and see the same tokens at every step;
 a step is forward + backward + optimizer step + zero_grad. Both sides' losses are compared step
 by step (first step: same weights, so equal to f32 rounding), and the step time is interleaved
-(Fucina step, PyTorch step, ...), medians. Issue 18's second target: the GEMMs inside the step (6·N·tokens
-FLOPs of the matrix products outside attention, over the time of their pack and tile launches,
-timed launch by launch in one extra step) at ≥ 90 % of our own f32 GEMM rate measured in the
-same process (1024³ `matmul`, the proxy for the core's peak); the note also gives the whole
-step's rate (attention's causal FLOPs included). A second row per thread count trains on batches of 4 sequences
+(Fucina step, PyTorch step, ...), medians. Issue 18's second target: the GEMMs inside the
+step (6·N·tokens FLOPs of the matrix products outside attention, over the time of their pack
+and tile launches, timed launch by launch in one extra step) at ≥ 90 % of our own f32 GEMM
+rate measured in the same process (1024³ `matmul`, the proxy for the core's peak); the note
+also gives the whole step's rate (attention's causal FLOPs included). A second row per thread
+count trains on batches of 4 sequences
 ([batch, seq] tokens through the batch axes of attention and of the fused linear + CE).
 """
 from __future__ import annotations

@@ -467,8 +467,9 @@ def gemm_seconds(ctx, fn) -> float:
         fn()
     finally:
         del ctx.launch
-    family = {addr: key.family for key, addr in kernels._memo.items()}
-    return sum(t for addr, t in spent.items() if family.get(addr) in GEMM_FAMILIES)
+    keys = kernels.keys_by_address()
+    return sum(t for addr, t in spent.items()
+               if addr in keys and keys[addr].family in GEMM_FAMILIES)
 
 
 def alternating_steps(batches, ours, theirs, threads: int) -> tuple:

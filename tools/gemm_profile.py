@@ -18,11 +18,6 @@ from collections import defaultdict
 import numpy as np
 
 
-def _family_of():
-    from fucina.codegen import kernels
-    return {addr: key for key, addr in kernels._memo.items()}
-
-
 def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.perf_counter,
             compute: str = "f32") -> dict:
     import fucina as fu
@@ -95,7 +90,8 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
         if patched:
             del ctx.launch
             _unpatch(mods, real_gemm)
-    fam = _family_of()
+    from fucina.codegen import kernels
+    fam = kernels.keys_by_address()
     groups = defaultdict(lambda: {"n": 0, "pack_a": 0.0, "pack_b": 0.0, "tile": 0.0, "other": 0.0,
                                   "flop": 0.0, "faults": 0})
     gemm_t = 0.0

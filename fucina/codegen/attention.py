@@ -371,11 +371,11 @@ class _Tiles:
 def _fwd(key, b, args, c0, c1):
     """args: q [S, H, D], kT [KVH, key tiles, D, BK], v [T, KVH, D], out [S, H·D] (row
     stride H·D), lse [H, S], bias [S, ·] (key.bias), S, T, H, KVH, scale, causal, window,
-    query tiles, bias row stride. Chunk = (head h, query tile), h outer. The tile's queries run over the key tiles
-    they may attend: s = q·kᵀ (stack), the online softmax per row (running max m, sum l;
-    p = e^(z − m) over s, alpha = e^(m_old − m)), o = alpha·o + p·v (the FMA chain starts from
-    the rescaled o); at the end out = o / l, lse = m + ln l (0 and −inf for a row that attended
-    nothing)."""
+    query tiles, bias row stride. Chunk = (head h, query tile), h outer. The tile's queries
+    run over the key tiles they may attend: s = q·kᵀ (stack), the online softmax per row
+    (running max m, sum l; p = e^(z − m) over s, alpha = e^(m_old − m)), o = alpha·o + p·v
+    (the FMA chain starts from the rescaled o); at the end out = o / l, lse = m + ln l (0 and
+    −inf for a row that attended nothing)."""
     q, kT, v, out, lse, bias = (u.arg_ptr(b, args, i) for i in range(6))
     S, T, H, KVH = (u.arg(b, args, i) for i in range(6, 10))
     scale = u.arg_f32(b, args, 10)
@@ -449,13 +449,14 @@ def _fwd(key, b, args, c0, c1):
 
 def _bwd(key, b, args, c0, c1):
     """args: q, k (as the forward's), kT, vT [KVH, key tiles, D, BK], dout [S, H, D], lse and
-    Dr [H, S] (Dr = Σ_d dout·out per row), dq [parts, S, H, D], dk, dv [G, T, KVH, D], S, T, H, KVH,
-    scale, causal, window, split, parts, kv (0: no dk, dv). Chunk = (head h, part), h outer:
-    part 0 takes key tiles [0, split), part 1 [split, ·) (parts = 1: all). Per key tile (its dk,
-    dv on the stack) the query tiles that may attend it, in order: s = q·kᵀ, p = e^(z − lse),
-    dv += pᵀ·dout, dp = dout·vᵀ, ds = p·(dp − Dr)·scale, dk += dsᵀ·q, dq[part] += ds·k. Each
-    chunk owns its rows of dq[part] and dk, dv[h mod G]: the caller adds the parts and the
-    group's heads in a fixed order, so no result depends on the thread count."""
+    Dr [H, S] (Dr = Σ_d dout·out per row), dq [parts, S, H, D], dk, dv [G, T, KVH, D], S, T,
+    H, KVH, scale, causal, window, split, parts, kv (0: no dk, dv). Chunk = (head h, part),
+    h outer: part 0 takes key tiles [0, split), part 1 [split, ·) (parts = 1: all). Per key
+    tile (its dk, dv on the stack) the query tiles that may attend it, in order: s = q·kᵀ,
+    p = e^(z − lse), dv += pᵀ·dout, dp = dout·vᵀ, ds = p·(dp − Dr)·scale, dk += dsᵀ·q,
+    dq[part] += ds·k. Each chunk owns its rows of dq[part] and dk, dv[h mod G]: the caller adds
+    the parts and the group's heads in a fixed order, so no result depends on the thread
+    count."""
     q, k, kT, vT, g, lse, Dr, dq, dk, dv = (u.arg_ptr(b, args, i) for i in range(10))
     S, T, H, KVH = (u.arg(b, args, i) for i in range(10, 14))
     scale = u.arg_f32(b, args, 14)

@@ -17,9 +17,10 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              AVX-512, FMAs with broadcasts from packed A — or from A's rows in place, a_rows —
              and vector loads from packed B) run one FMA chain per output element over k in
              increasing order, starting from the partial sum of the previous KC block
-             (reloaded from memory: storing and reloading an f32 does not change it). So every c[i, j] = fma(a[i,K-1], b[K-1,j], ...
-             fma(a[i,0], b[0,j], 0)) in that order whatever MC, NC or the thread count, and the
-             chunk grid is fixed by the problem size: bitwise identical for any thread count.
+             (reloaded from memory: storing and reloading an f32 does not change it). So
+             every c[i, j] = fma(a[i,K-1], b[K-1,j], ... fma(a[i,0], b[0,j], 0)) in that
+             order whatever MC, NC or the thread count, and the chunk grid is fixed by the
+             problem size: bitwise identical for any thread count.
              With `accumulate` the chain's result is added to c in one final rounding
              (c = c + sum); partial sums of earlier KC blocks then live in a scratch buffer.
              A long k may run as several launches over k slices of whole KC blocks, each
@@ -454,6 +455,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
     M, N, K, kc, MC, NC, nmb, nnb, sAp, accflag, mfast = (
         u.arg(b, args, i) for i in (4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 15))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
+    last_row = b.sub(M, u.i64(1))
     hook = b_panel(b, args, N, K, NRc)
     panel_of, ahead = hook if isinstance(hook, tuple) else (hook, None)
     accumulate, cont, more = (b.icmp_signed("!=", b.and_(accflag, u.i64(bit)), u.i64(0))
@@ -489,7 +491,6 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                     if ahead is not None:
                         ahead(bt, k0, j0, col0, col1, b.sdiv(b.sub(i0, row0), u.i64(R)), nparts)
                     if a_rows:
-                        last_row = b.sub(M, u.i64(1))
                         arow = [b.gep(Ap, [b.add(b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
                                                        sAp), k0)], source_etype=u.F32)
                                 for r in range(R)]

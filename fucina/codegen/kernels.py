@@ -77,6 +77,12 @@ _recorded: set[str] = set()
 _lock = threading.Lock()
 
 
+def keys_by_address() -> dict[int, KernelKey]:
+    """Every kernel loaded so far, by its entry address (profilers charge launches by key)."""
+    with _lock:
+        return {addr: key for key, addr in _memo.items()}
+
+
 def fingerprint() -> bytes:
     """Everything outside the key that shapes object code: our generators, LLVM, the CPU."""
     global _fingerprint

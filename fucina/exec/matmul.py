@@ -388,10 +388,13 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
     direct = (DIRECT_B and bmode != "any" and -(-M // MCd) <= DIRECT_MAX_MB
               and (nbatch == 1 or bs[:2] == (1, 1)))
     # else a row-major A read in place: its rows stream from cache as well as packed panels
-    # do once b is packed (measured; beside direct b the packed A panels win)
+    # do once b is packed (beside direct b it measured no faster in the LoRA step: packed)
     a_rows = DIRECT_A and not direct and nbatch == 1 and sa[1] == 1 and M > 1
-    a_step, npa, asz = pack_step(A, "f32", MR, M, KS, sa[0], sa[1], bs, ast, nbatch, 0)
-    asz = 0 if a_rows else -(-asz // 16) * 16
+    if a_rows:
+        a_step, npa, asz = None, 1, 0
+    else:
+        a_step, npa, asz = pack_step(A, "f32", MR, M, KS, sa[0], sa[1], bs, ast, nbatch, 0)
+        asz = -(-asz // 16) * 16
     MC = MCd if direct else blocks(Mp // MR, MC_PANELS) * MR
     pf_c = nbatch * M * N >= PF_C_MIN
     nmb = -(-M // MC)
@@ -423,7 +426,8 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
         ks = min(KS, K - k0)
         last = k0 + ks == K
         if ks != KS:
-            a_step = pack_step(A, "f32", MR, M, ks, sa[0], sa[1], bs, ast, nbatch, 0)[0]
+            if not a_rows:
+                a_step = pack_step(A, "f32", MR, M, ks, sa[0], sa[1], bs, ast, nbatch, 0)[0]
             if not direct:
                 b_step = pack_step(B, bdt, NR, N, ks, s_bn, s_bk, bs, bst, nbatch, asz * 4)[0]
         if not a_rows:
