@@ -154,6 +154,26 @@ def test_direct_b_two_column_blocks(ta, tb, force_direct, monkeypatch):
     assert_bitwise(got, _shape_case((45, 1100, 230), ta, tb)[0])
 
 
+def test_two_threads_get_equal_halves():
+    """The runtime hands each of two threads a contiguous half of a launch's chunks, so the
+    direct-b plans of the LoRA step's M = 256 products launch an even number of pack and tile
+    chunks (18 column panels: 18 blocks of one, not 9 of two run as 5 + 4), bits unchanged."""
+    assert [mm.even_blocks(n, m) for n, m in ((18, 2), (48, 6), (20, 2), (7, 1), (1, 8))] == \
+        [1, 6, 2, 1, 1]
+    rng = np.random.default_rng(3)
+    for M, K, N in ((256, 576, 576), (256, 1536, 576), (200, 576, 576)):
+        A, W = _data(rng, M, K), _data(rng, N, K)
+        with fu.ExecContext(threads=2) as ctx:
+            a, w = ctx.from_numpy(A), ctx.from_numpy(W).permute((1, 0))
+            mm._plans.clear()
+            got = gemm(ctx, a, w).to_numpy()
+            assert mm.path_of(a, w) == "packed direct-b"
+            (plan,) = mm._plans.values()
+            assert all(n % 2 == 0 for _, n, *_ in plan.steps), [s[1] for s in plan.steps]
+        np.testing.assert_allclose(got, _ref(A, W.T), rtol=0, atol=_tol(A, W))
+    mm._plans.clear()
+
+
 def _direct_and_packed(run, monkeypatch):
     """run(ctx) at 1 and 2 threads through the direct-b tiles (asserting that path), then
     through pack + tiles: all four bitwise equal; returns the result."""
