@@ -136,9 +136,11 @@ def test_range_form_bitwise_and_inverse_sign(ctx):
 # the rotation
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("D", [12, 8, 2])  # full span, partial span, one pair
-def test_values_and_grads(ctx, mode, D):
-    P, H, F = len(POS), 3, 12
+@pytest.mark.parametrize("F,D", [(12, 12), (12, 8), (12, 2), (64, 64), (100, 80), (75, 34)])
+def test_values_and_grads(ctx, mode, F, D):
+    """Full span, partial span, one pair; then spans of whole vectors plus a tail, with odd
+    numbers of pass-through features around them (the kernel goes W lanes at a time)."""
+    P, H = len(POS), 3
     a = rand((P, H, F), 2.0)
     t = prepare_rope_table(ctx, POS, D, 10000.0)
     x = ctx.variable(a, ("seq", "head", "d"))

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llvmlite import ir
+
 from . import irutil as u
 from . import vmath
 from .kernels import KernelKey, register
+from .rows import map_pass
+from .target import host
 from .vpow import pow as powf
 
 OPS = ("table", "apply")
@@ -79,8 +83,16 @@ def _table(key, b, args, c0, c1):
 
 
 def _apply(key, b, args, c0, c1):
+    """Vectors along the row: the features outside the span copied W at a time; "half" takes W
+    pairs per step (first halves from one vector, second halves from another); the interleaved
+    modes take W features (W/2 pairs) per step, each pair's cos and sin duplicated into its two
+    lanes and the pair swapped by a shuffle, so both outputs are the same separately rounded
+    products, difference and sum as one pair at a time gives."""
+    W = host().f32_lanes
     x, out, cs, sn = (u.arg_ptr(b, args, i) for i in range(4))
     R, F, M, pairs, start, per = (u.arg(b, args, 4 + i) for i in range(6))
+    D = b.add(pairs, pairs)
+    end = b.add(start, D)
     r0 = b.mul(c0, per)
     r1 = u.smin(b, b.mul(c1, per), R)
     with u.Loop(b, r0, r1, 1, "r") as r:
@@ -90,23 +102,39 @@ def _apply(key, b, args, c0, c1):
         trow = b.mul(b.sdiv(r, M), pairs)
         cb = b.gep(cs, [trow], source_etype=u.F32)
         sb = b.gep(sn, [trow], source_etype=u.F32)
-        # pass-through features: the whole row first, the span is overwritten below
-        with u.Loop(b, u.i64(0), F, 1, "j") as j:
-            u.store(b, u.load(b, xb, j, "f32"), ob, j, "f32")
-        with u.Loop(b, u.i64(0), pairs, 1, "i") as i:
-            if key.mode == "half":
-                ia = b.add(start, i)
-                ib = b.add(ia, pairs)
-            else:
-                ia = b.add(start, b.mul(i, u.i64(2)))
-                ib = b.add(ia, u.i64(1))
-            c = u.load(b, cb, i, "f32")
-            s = u.load(b, sb, i, "f32")
-            if key.negate:
-                s = b.fneg(s)
-            a1 = u.load(b, xb, ia, "f32")
-            a2 = u.load(b, xb, ib, "f32")
-            y1 = b.fsub(b.fmul(a1, c), b.fmul(a2, s))
-            y2 = b.fadd(b.fmul(a1, s), b.fmul(a2, c))
-            u.store(b, y1, ob, ia, "f32")
-            u.store(b, y2, ob, ib, "f32")
+
+        def copy(c, m):
+            u.store(b, u.load(b, xb, c, "f32", W, m), ob, c, "f32", m)
+        map_pass(b, u.i64(0), start, W, copy)        # features outside the span pass through
+        map_pass(b, end, F, W, copy)
+
+        def table(i, m, lanes=W):
+            c, s = u.load(b, cb, i, "f32", lanes, m), u.load(b, sb, i, "f32", lanes, m)
+            return c, (b.fneg(s) if key.negate else s)
+
+        if key.mode == "half":
+            xa, oa = (b.gep(p, [start], source_etype=u.F32) for p in (xb, ob))
+            xh, oh = (b.gep(p, [b.add(start, pairs)], source_etype=u.F32) for p in (xb, ob))
+
+            def half(i, m):
+                c, s = table(i, m)
+                a1, a2 = u.load(b, xa, i, "f32", W, m), u.load(b, xh, i, "f32", W, m)
+                u.store(b, b.fsub(b.fmul(a1, c), b.fmul(a2, s)), oa, i, "f32", m)
+                u.store(b, b.fadd(b.fmul(a1, s), b.fmul(a2, c)), oh, i, "f32", m)
+            map_pass(b, u.i64(0), pairs, W, half)
+        else:
+            xs, os_ = (b.gep(p, [start], source_etype=u.F32) for p in (xb, ob))
+            dup = ir.Constant(ir.VectorType(u.I32, W), [j // 2 for j in range(W)])
+            swap = ir.Constant(ir.VectorType(u.I32, W), [j ^ 1 for j in range(W)])
+            even = ir.Constant(ir.VectorType(u.I1, W), [int(j % 2 == 0) for j in range(W)])
+
+            def pairs_of(j, m):
+                i = b.sdiv(j, u.i64(2))                 # W/2 pairs from pair i on
+                tm = None if m is None else u.tail_mask(b, b.sub(pairs, i), W // 2)
+                c, s = table(i, tm, W // 2)
+                c, s = (b.shuffle_vector(v, v, dup) for v in (c, s))
+                xv = u.load(b, xs, j, "f32", W, m)
+                p = b.fmul(xv, c)                        # lane 2i: a1·c, lane 2i+1: a2·c
+                q = b.fmul(b.shuffle_vector(xv, xv, swap), s)   # a2·s, a1·s
+                u.store(b, b.select(even, b.fsub(p, q), b.fadd(q, p)), os_, j, "f32", m)
+            map_pass(b, u.i64(0), D, W, pairs_of)
