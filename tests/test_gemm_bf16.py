@@ -219,6 +219,46 @@ def test_emulation_matches_instruction(ctx, scale):
 
 # ---- determinism ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("ta", [False, True], ids=["rows", "transposed"])
+def test_packing_rounds_every_edge_as_the_spec(ctx1, ta):
+    """A's pair panels hold exactly the spec's bf16 bits, word by word, through whole groups of
+    2W k and masked tails (the convert instruction where the host has it): nearest even with
+    ties, overflow to inf, quiet NaN with its payload, and the f32 denormals — flushed to a
+    zero of their sign, except those that round up to 2^-126 (0x7F8000..0x7FFFFF), which the
+    instruction alone would flush."""
+    bits = np.array([0x007F8000, 0x007FFFFF, 0x807FC000, 0x007F7FFF, 0x00000001, 0x80000000,
+                     0x7F7FFFFF, 0xFF7F7FFF, 0x7F800000, 0xFF800000, 0x3F808000, 0x3F818000,
+                     0x00800000, 0x80800001, 0x7FC00001, 0x7F800001, 0xFFA00000], np.uint32)
+    rng = np.random.default_rng(11)
+    M, K = 29, 1101                       # panels of MR rows and a short one; k blocks, tails
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    A.flat[rng.choice(M * K, 3000, replace=False)] = np.resize(bits, 3000).view(np.float32)
+    a = operand(ctx1, A, ta)
+    w = ctx1.from_numpy(np.ones((K, 3), np.float32), dtype="bf16")
+    gemm_bf16(ctx1, a, w)
+    plan = mb._plans[(a.lay, w.lay, None)]
+    scratch = ctx1.empty((plan.words,), "f32")
+    for k0, (addr, n, cost, tail), _ in plan.slices:
+        ctx1.launch(addr, n, cost, a.addr + k0 * a.strides[1] * 4, scratch.addr, *tail)
+    got = scratch.to_numpy().view(np.uint32)
+    h = f32_to_bf16_bits(A).astype(np.uint32)
+    h = np.where(h & 0x7F80, h, h & 0x8000)                    # bf16 denormals -> signed 0
+    MR, kc = cg.mr(), mb._kc(K)
+    npan = -(-M // MR)
+    want = np.zeros(plan.words, np.uint32)
+    for k0 in range(0, K, kc):
+        kpl = -(-min(kc, K - k0) // 2)
+        for p in range(npan):
+            for w_ in range(min(MR, M - p * MR)):
+                row = h[p * MR + w_, k0:k0 + 2 * kpl]
+                row = np.pad(row, (0, 2 * kpl - len(row)))
+                base = (k0 // 2) * npan * MR + p * kpl * MR + w_
+                want[base:base + kpl * MR:MR] = row[0::2] | (row[1::2] << 16)
+    assert_bitwise(got, want)
+    band = np.isin(A.view(np.uint32) & 0x7FFFFFFF, [0x7F8000, 0x7FFFFF, 0x7FC000])
+    assert band.sum() > 300
+
+
 def test_one_and_two_threads_bitwise():
     rng = np.random.default_rng(7)
     A = rng.standard_normal((350, 1100)).astype(np.float32)   # two M blocks, three K blocks

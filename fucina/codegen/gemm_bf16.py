@@ -100,11 +100,37 @@ def _flush16(b, h):
     return b.select(den, b.and_(h, u.const(t, 0x8000)), h)
 
 
+def _convert_native(b, v):
+    """f32 lanes (W or 2W) -> flushed bf16 bits by vcvtneps2bf16 / vcvtne2ps2bf16: the same
+    nearest-even rounding and quiet NaN as u.narrow, and a denormal input becomes a zero of its
+    sign, as the flush after u.narrow makes it — except the f32 denormals that round up to
+    2^-126 (magnitude bits 0x7F8000..0x7FFFFF), which stay 2^-126: put back by one select."""
+    n, W = v.type.count, lanes()
+    fv = _fv(W)
+    if n == W:
+        name, args = "llvm.x86.avx512bf16.cvtneps2bf16.512", [v]
+    else:
+        name = "llvm.x86.avx512bf16.cvtne2ps2bf16.512"
+        args = [b.shuffle_vector(v, v, ir.Constant(_iv(W), list(range(o, o + W))))
+                for o in (W, 0)]                       # (high half, low half)
+    vb = ir.VectorType(_BFloat(), n)
+    fn = b.module.globals.get(name) or ir.Function(
+        b.module, ir.FunctionType(vb, [fv] * len(args)), name=name)
+    t16, t32 = ir.VectorType(u.I16, n), ir.VectorType(u.I32, n)
+    h = b.bitcast(b.call(fn, args), t16)
+    mag = b.and_(b.bitcast(v, t32), u.const(t32, 0x7FFFFFFF))
+    up = b.icmp_unsigned("<", b.sub(mag, u.const(t32, 0x7F8000)), u.const(t32, 0x8000))
+    return b.select(up, b.or_(h, u.const(t16, 0x80)), h)
+
+
 def load_bits(b, base, index, dt, n, mask=None):
     """n elements of an f32 or bf16 array as flushed bf16 bits (<n x i16>), f32 rounded to
-    nearest even (u.narrow); masked-off lanes read zero."""
+    nearest even (u.narrow, or the convert instruction where the host has it: the same bits);
+    masked-off lanes read zero."""
     if dt == "f32":
         v = u.load(b, base, index, "f32", n, mask)
+        if native() and n in (lanes(), 2 * lanes()):
+            return _convert_native(b, v)
         h = u.narrow(b, v, "bf16")
     else:
         st = ir.VectorType(u.I16, n)
@@ -224,23 +250,26 @@ def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W):
 
 def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
     """Unit stride along k: for each group of W rows, 2W consecutive k of every row (W pairs)
-    are loaded and transposed, so each vector holds one pair of W rows."""
+    are loaded and transposed, so each vector holds one pair of W rows. A group of 2W k of
+    all Wp rows (every one but a panel's last or a block's last) takes unmasked loads and
+    unconditional stores."""
     nvec = -(-Wp // W)
     iv = _iv(W)
+    zero2 = ir.Constant(ir.VectorType(u.I1, 2 * W), [ir.Constant(u.I1, 0)] * (2 * W))
     for g in range(nvec):
         width_g = min(W, Wp - g * W)
         sm = None if width_g == W else u.tail_mask(b, u.i64(width_g), W)
-        with u.Loop(b, u.i64(0), kcl, 2 * W, f"kt{g}") as kt:
-            kn = u.smin(b, u.i64(2 * W), b.sub(kcl, kt))
-            kmask = u.tail_mask(b, kn, 2 * W)
-            zero2 = ir.Constant(ir.VectorType(u.I1, 2 * W), [ir.Constant(u.I1, 0)] * (2 * W))
+
+        def group(kt, kn, full):
+            kmask = None if full else u.tail_mask(b, kn, 2 * W)
             vecs = []
             for t in range(W):
                 w = g * W + t
                 if w >= Wp:
                     vecs.append(u.const(iv, 0))
                     continue
-                m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, zero2)
+                m = None if full else b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask,
+                                               zero2)
                 at = b.add(b.add(sbase, b.mul(u.i64(w), s_w)), kt)
                 u.prefetch(b, src, b.add(at, u.i64(PF_K)), dt)
                 h = load_bits(b, src, at, dt, 2 * W, m)
@@ -249,7 +278,7 @@ def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
             npairs = b.sdiv(b.add(kn, u.i64(1)), u.i64(2))
             kp0 = b.sdiv(kt, u.i64(2))
             for j in range(W):
-                with b.if_then(b.icmp_signed("<", u.i64(j), npairs)):
+                def put():
                     p = b.gep(dst, [b.add(panel, b.add(b.mul(b.add(kp0, u.i64(j)), u.i64(Wp)),
                                                        u.i64(g * W)))], source_etype=u.I32)
                     if sm is None:
@@ -259,6 +288,21 @@ def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
                         u.intrinsic(b, "llvm.masked.store", u.VOID,
                                     [cols[j], p, ir.Constant(u.I32, 4), sm],
                                     types=[iv, u.PTR])
+                if full:
+                    put()
+                else:
+                    with b.if_then(b.icmp_signed("<", u.i64(j), npairs)):
+                        put()
+
+        with u.Loop(b, u.i64(0), kcl, 2 * W, f"kt{g}") as kt:
+            kn = u.smin(b, u.i64(2 * W), b.sub(kcl, kt))
+            full = b.and_(b.icmp_signed("==", kn, u.i64(2 * W)),
+                          b.icmp_signed(">=", wvalid, u.i64(min(Wp, (g + 1) * W))))
+            with b.if_else(full) as (fast, slow):
+                with fast:
+                    group(kt, kn, True)
+                with slow:
+                    group(kt, kn, False)
 
 
 def _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt):

@@ -344,6 +344,18 @@ def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, a
                         nbatch, int(mode == "rowvec" and K <= RV_COLS_K))))
 
 
+def pack_groups(npan, panel_floats, blocks):
+    """(panels per chunk, groups) of a pack launch of npan panels in `blocks` k blocks (and
+    batches): about PACK_CHUNK floats per chunk, and an even chunk count where the panels
+    allow one, so two threads get equal halves."""
+    per = max(1, min(npan, PACK_CHUNK // panel_floats))
+    groups = -(-npan // per)
+    if blocks * groups % 2 and npan > 1:
+        groups = -(-npan // -(-npan // (2 * groups)))
+        per = -(-npan // groups)
+    return per, groups
+
+
 def pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc=None):
     """One gemm_pack launch (k blocks of kc, default g.KC); returns (step, packed batches,
     floats written)."""
@@ -357,11 +369,7 @@ def pack_step(src, dtype, width, rows, K, s_w, s_k, bs, bst, nbatch, dst_off, kc
         mode = "any"
     npan = -(-rows // width)
     pad = npan * width
-    per = max(1, min(npan, PACK_CHUNK // (width * min(K, kc))))
-    groups = -(-npan // per)
-    if npb * -(-K // kc) * groups % 2 and npan > 1:   # an even count: two threads' halves
-        groups = -(-npan // -(-npan // (2 * groups)))  # are equal
-        per = -(-npan // groups)
+    per, groups = pack_groups(npan, width * min(K, kc), npb * -(-K // kc))
     addr = kernels.get(g.GemmPackKey(dtype, width, mode))
     step = (addr, npb * -(-K // kc) * groups, npb * pad * K * 8, ((src, 0), (S, dst_off)),
             (rows, K, s_w, s_k, kc, npan, per, groups, bs[1], bs[2], *bst, pad * K))

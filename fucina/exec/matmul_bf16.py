@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..codegen import gemm_bf16 as g
 from ..codegen import kernels
 from ..errors import DTypeError, ShapeMismatch
-from .matmul import PACK_CHUNK, PF_C_MIN, blocks
+from .matmul import PF_C_MIN, blocks, pack_groups
 from .raw import RawTensor
 
 MC_PANELS = 48   # at most this many MR panels of A per tile (MC x KC of A, 688 KiB, stays in L2)
@@ -89,8 +89,7 @@ def _kc(K):
 def _pack(dtype, width, rows, K, s_w, s_k, kc):
     """One gemm_bf16_pack launch: (addr, chunks, cost, tail), words written."""
     npan = -(-rows // width)
-    per = max(1, min(npan, PACK_CHUNK // (width * min(K, kc))))
-    groups = -(-npan // per)
+    per, groups = pack_groups(npan, width * min(K, kc), -(-K // kc))
     addr = kernels.get(g.GemmBf16PackKey(dtype, width, _mode(rows, K, s_w, s_k)))
     words = npan * width * (-(-K // 2))
     return (addr, -(-K // kc) * groups, npan * width * K * 4,
