@@ -15,7 +15,9 @@ chain is dropout → dot(A, in_tag) → dot(B, "lora_r") → scale, always that 
 a checkpoint's resume depend on it; dropout with p = 0 is the identity and is skipped); apply
 runs the scale and the add as one pass over the output (ag.elementwise.add_scaled), or, with
 reuse_base, inside the product's GEMM straight into base's buffer (ag.matmul.
-add_scaled_dot_into) — the same two roundings and gradients either way. A and B are
+add_scaled_dot_into) — the same two roundings and gradients either way. project(x, w) goes
+one step further for a frozen f32 w: the rank product is added in the tile stores of x·w's own
+GEMM, and dxa·A in those of dx = g·w (ag.matmul.lora_linear; again the same bits). A and B are
 caller-owned variables, never scope-adopted; everything else is a plain op, so the backward
 rules are those of dropout, dot and scale.
 
@@ -37,7 +39,7 @@ import numpy as np
 from .ag.checks import require_scope, same_ctx
 from .ag.elementwise import add_scaled
 from .ag.engine import Leaf, no_grad, sole_view
-from .ag.matmul import add_scaled_dot_into
+from .ag.matmul import add_scaled_dot_into, lora_linear
 from .ag.tensor import Tensor
 from .errors import (DTypeError, InvalidDropout, InvalidRank, MutableDataRequiresNoGrad,
                      ReadOnlyStorage, ShapeMismatch, TagError, UseAfterRelease)
@@ -226,6 +228,31 @@ class Adapter:
                 and sole_view(rb):
             return Tensor._result(*add_scaled_dot_into(base, xa, self.b, RANK_TAG, self.scale))
         return Tensor._result(*add_scaled(base, xa.dot(self.b, RANK_TAG), self.scale))
+
+    def project(self, x, w, dropout_seed: int | None = None):
+        """x.dot(w, in_tag) + delta(x): apply() over the frozen projection w [out, in], with
+        the rank product added in the projection's own GEMM (ag.matmul.lora_linear) when w
+        is a frozen f32 weight, x's in tag is its last axis and no dropout runs — the same
+        bits as the dot and apply(reuse_base=True), without their pass over [.., out] forward
+        or over [.., in] backward; otherwise exactly those two."""
+        op = "lora.Adapter.project"
+        self._check_input(op, x)
+        if not isinstance(w, Tensor):
+            raise TypeError(f"{op}: expected w to be a fucina Tensor, got {type(w).__name__}")
+        same_ctx(op, x, w)
+        rw = w._live(op)
+        want = (self.b.shape[0], self.a.shape[1])
+        if sorted(w.tags) != sorted((self.out_tag, self.in_tag)):
+            raise TagError(f"{op}: expected w tagged ({self.out_tag!r}, {self.in_tag!r}), got "
+                           f"{w.tags}")
+        p = self.dropout_p if dropout_seed is not None else 0.0
+        if (p != 0.0 or rw.dtype != "f32" or w.requires_grad or x._raw.rank != 2
+                or x.tags[-1] != self.in_tag or w.tags != (self.out_tag, self.in_tag)):
+            return self.apply(x, x.dot(w, self.in_tag), dropout_seed, reuse_base=True)
+        if rw.shape != want:
+            raise ShapeMismatch(f"{op}: expected w of shape {want}, got {rw.shape}")
+        require_scope(op, x, self.a, self.b)
+        return Tensor._result(*lora_linear(x, w, self.a, self.b, self.scale))
 
     # ---- training / state dicts ----
     def register_params(self, opt, prefix: str) -> None:

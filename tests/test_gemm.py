@@ -174,6 +174,55 @@ def test_two_threads_get_equal_halves():
     mm._plans.clear()
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-b", "packed"])
+@pytest.mark.parametrize("r", [1, 8])
+def test_rank_add_is_the_separate_pass(direct, r, monkeypatch):
+    """gemm(a, b, rank_add=(x, y, s)) adds s·(x·y) in the tile kernels' stores (emit_tile's
+    rank_add): the bits of gemm(x, y, out=c, accumulate=True, scale=s) run after it — plain,
+    accumulating, scaled, in k slices, A packed or read in place, edges of every size, at 1
+    and 2 threads; a plan without tile kernels (rowvec here) runs that pass itself."""
+    from fucina.codegen import gemm as g
+    rng = np.random.default_rng(r)
+    cases = [(37, 2 * g.KC + 9, 70, False), (300, 70, 45, True), (9, 600, 33, True),
+             (1, 5, 3, False)]
+
+    def run(ctx, M, K, N, acc, ta, tiles=True):
+        data = np.random.default_rng(M + K + N)
+        A, B = _data(data, M, K), _data(data, K, N)
+        X, Y, C0 = _data(data, M, r), _data(data, r, N), _data(data, M, N)
+        outs = []
+        for fused in (True, False):
+            a, b = _operand(ctx, A, ta), _operand(ctx, B, False)
+            x, y, c = ctx.from_numpy(X), ctx.from_numpy(Y), ctx.from_numpy(C0)
+            kw = {"out": c, "accumulate": True} if acc else {}
+            if fused:
+                c = gemm(ctx, a, b, scale=0.75, rank_add=(x, y, 1.5), **kw)
+                key = (a.lay, b.lay, c.lay if acc else None, acc, 0.75, True)
+                assert mm._plans[key].ranked == tiles
+            else:
+                c = gemm(ctx, a, b, scale=0.75, **kw)
+                gemm(ctx, x, y, out=c, accumulate=True, scale=1.5)
+            outs.append(c.to_numpy())
+        assert_bitwise(outs[0], outs[1])
+        return outs[0]
+
+    _route(monkeypatch, direct)
+    monkeypatch.setattr(mm, "K_SLICE", 2 * g.KC)
+    for M, K, N, acc in cases:
+        for ta in (False, True):
+            _both_threads(lambda ctx: run(ctx, M, K, N, acc, ta))
+    mm._plans.clear()
+    monkeypatch.undo()
+    mm._plans.clear()
+    with fu.ExecContext(threads=1) as ctx:
+        run(ctx, 9, 20, 30, True, False, tiles=False)   # rowvec: the pass after it
+        with pytest.raises(fu.InvalidArgument, match="rank_add"):
+            gemm(ctx, ctx.from_numpy(_data(rng, 2, 3, 4)), ctx.from_numpy(_data(rng, 2, 4, 5)),
+                 rank_add=(ctx.from_numpy(_data(rng, 3, 1)), ctx.from_numpy(_data(rng, 1, 5)),
+                           1.0))
+    mm._plans.clear()
+
+
 def _direct_and_packed(run, monkeypatch):
     """run(ctx) at 1 and 2 threads through the direct-b tiles (asserting that path), then
     through pack + tiles: all four bitwise equal; returns the result."""

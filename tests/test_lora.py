@@ -199,6 +199,61 @@ def test_apply_reuse_base_writes_the_sum_over_base(ctx, p):
         assert_bitwise(bv.numpy(), before)
 
 
+@pytest.mark.parametrize("M,K,N", [(200, 600, 500), (300, 600, 500), (9, 16, 12)],
+                         ids=["direct-b", "packed", "rowvec"])
+def test_project_is_the_dot_then_apply_bitwise(M, K, N):
+    """project(x, w) adds the rank product in the projection's own GEMM and dxa·A in the tile
+    stores of dx = g·w (one lora_linear node): its output and the gradients of x (on top of
+    another consumer's), A and B keep the bits of x.dot(w) then apply(reuse_base=True), at 1
+    and 2 threads, on tile-kernel shapes and on a small one (the pass after the GEMM). With
+    dropout, an f16 weight, a weight that trains or x's in tag not last it is those two ops."""
+    x_np, w_np, g_np = randn(M, K), randn(N, K, s=0.05), randn(M, N)
+    for th in (1, 2):
+        with fu.ExecContext(threads=th) as ctx:
+            ad = make(ctx, in_dim=K, out_dim=N, rank=8, alpha=16.0)
+            w = ctx.tensor(w_np, ("out", "in"))
+            outs = []
+            for fused in (True, False):
+                x = ctx.variable(x_np, ("seq", "in"))
+                with ctx.exec_scope():
+                    h = x.scale(0.5)
+                    y = ad.project(h, w) if fused else ad.apply(h, h.dot(w, "in"),
+                                                                reuse_base=True)
+                    assert (y._node.name == "lora_linear") == fused
+                    other = (h * ctx.tensor(x_np, h.tags)).sum_all()   # h's gradient: 2 parts
+                    (y * ctx.tensor(g_np, y.tags)).sum_all().add(other).backward()
+                    outs.append([y.numpy(), x.grad().numpy(), ad.a.grad().numpy(),
+                                 ad.b.grad().numpy()])
+                ad.a.zero_grad()
+                ad.b.zero_grad()
+            for got, want in zip(*outs):
+                assert_bitwise(got, want)
+    with fu.ExecContext(threads=1) as ctx:
+        ad = make(ctx, in_dim=16, out_dim=12, rank=3, p=0.25)
+        x = ctx.variable(randn(9, 16), ("seq", "in"))
+        cases = [(ctx.tensor(randn(12, 16), ("out", "in")), 7),                     # dropout
+                 (ctx.tensor(randn(12, 16), ("out", "in"), dtype="f16"), None),      # f16 w
+                 (ctx.variable(randn(12, 16), ("out", "in")), None),                 # trains
+                 (ctx.tensor(randn(16, 12), ("in", "out")), None)]                   # [in, out]
+        for w, seed in cases:
+            with ctx.exec_scope():
+                y = ad.project(x, w, dropout_seed=seed)
+                assert y._node.name != "lora_linear"
+                want = ad.apply(x, x.dot(w, "in"), dropout_seed=seed)
+                assert_bitwise(y.numpy(), want.numpy())
+        xt = ctx.variable(randn(16, 9), ("in", "seq"))
+        with ctx.exec_scope():
+            y = ad.project(xt, cases[0][0])
+            assert y._node.name != "lora_linear" and y.tags == ("seq", "out")
+        with fu.no_grad():
+            with pytest.raises(TypeError, match="project"):
+                ad.project(x, randn(12, 16))
+            with pytest.raises(fu.TagError, match="project"):
+                ad.project(x, ctx.tensor(randn(12, 16), ("out", "feat")))
+            with pytest.raises(fu.ShapeMismatch, match="project"):
+                ad.project(x, ctx.tensor(randn(11, 16), ("out", "in")))
+
+
 def test_dropout_seed_modes(ctx):
     ad = make(ctx, p=0.5)
     plain = make(ctx, p=0.0)   # the same seed: the same A and B

@@ -118,6 +118,47 @@ def _add_scaled_dot_grads(saved, dot_saved, needs, g):
     return gb, gx, gy
 
 
+def lora_linear(x, w, a, bm, s: float):
+    """x.dot(w, in) + (x.dot(a, in).dot(bm, rank)).scale(s) (lora.Adapter.project): w [out,
+    in] frozen, a [rank, in], bm [out, rank], every tag and shape checked by the caller, all
+    f32; x [seq, in] with `in` its last axis. The rank product s·(xa·bmᵀ) is added in the
+    base GEMM's tile stores (gemm's rank_add: the bits of the separate pass), and the backward
+    adds dxa·a into dx in the tile stores of dx = g·w the same way: one node, no [seq, out]
+    or [seq, in] pass for the rank side. Each gradient is the unfused ops' (the same GEMMs and
+    roundings); dx's two parts reach x's accumulator together, when this node runs.
+    Returns finish_op's triple."""
+    xr, wr, ar, br = x._raw, w._raw, a._raw, bm._raw
+    ctx = xr.ctx
+    in_tag = a.tags[1]
+    out_tags = axes.dot_tags("dot", x.tags, xr.shape, w.tags, wr.shape, in_tag)
+    xa_tags = axes.dot_tags("dot", x.tags, xr.shape, a.tags, ar.shape, in_tag)
+    xa = es.einsum(ctx, xr, x.tags, ar, a.tags, xa_tags)
+    bt = ew.materialize(ctx, br.permute((1, 0)))                # [rank, out]: rows along out
+    y = es.einsum(ctx, xr, x.tags, wr, w.tags, out_tags, rank_add=(xa, bt, s))
+
+    def make_vjp(needs):
+        kept = (xr if needs[1] else None, xa if needs[2] else None)
+        return functools.partial(_lora_linear_grads, (ctx, kept, x.tags, w, a, bm, s,
+                                                      out_tags, xa_tags, y.shape), needs)
+    return finish_op("lora_linear", y, out_tags, (x, a, bm), make_vjp, into=True)
+
+
+def _lora_linear_grads(saved, needs, g, acc=(None, None, None)):
+    """The unfused chain's gradients: s·g (add_scaled's), dxa = (s·g)·bm, dbm = xaᵀ·(s·g),
+    da = dxaᵀ·x, and dx = [acc +] g·w + dxa·a with the rank part in dx's tile stores."""
+    ctx, (xr, xa), xt, w, a, bm, s, out_tags, xa_tags, shape = saved
+    wr, ar, br = w._raw, a._raw, bm._raw
+    _, gs = add_scaled_grads(ctx, shape, s, (False, True), g)
+    gxa = es.einsum(ctx, gs, out_tags, br, bm.tags, xa_tags) if needs[0] or needs[1] else None
+    gb = es.einsum(ctx, xa, xa_tags, gs, out_tags, bm.tags) if needs[2] else None
+    ga = es.einsum(ctx, xr, xt, gxa, xa_tags, a.tags) if needs[1] else None
+    gx = None
+    if needs[0]:
+        into = {} if acc[0] is None else {"out": acc[0], "accumulate": True}
+        gx = es.einsum(ctx, g, out_tags, wr, w.tags, xt, rank_add=(gxa, ar, 1.0), **into)
+    return gx, ga, gb
+
+
 def einsum_many(out_tags, operands):
     """A-6: a left fold of binary einsums keeping, at each step, the tags still needed."""
     out_tags = tuple(out_tags)

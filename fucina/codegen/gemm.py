@@ -312,6 +312,7 @@ class GemmTileKey(KernelKey):
     pf_c: prefetch the next micro-tile's C lines (exec sets it for a C too big to stay cached).
     scale: each result is s·sum (see the module docstring).
     a_rows: A read in place from a row-major operand (emit_tile), no gemm_pack pass over it.
+    rank_add: arguments 16..21 add a rank-r product to the final results (emit_tile).
     """
     family = "gemm_tile"
     mr: int
@@ -320,10 +321,11 @@ class GemmTileKey(KernelKey):
     pf_c: bool = False
     scale: float = 1.0
     a_rows: bool = False
+    rank_add: bool = False
 
     def ir(self, symbol: str) -> str:
         return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll, _packed_b, self.pf_c,
-                             self.scale, self.a_rows))
+                             self.scale, self.a_rows, 16 if self.rank_add else None))
 
 
 def _packed_b(b, args, N, K, NRc):
@@ -348,8 +350,8 @@ class GemmTileDirectKey(KernelKey):
     micro-kernel is gemm_tile's, so the bits are gemm_tile's.
 
     Arguments: gemm_tile's, with 1 = b (the operand, `dtype`), 13 = b's batch stride
-    (elements; 0 = broadcast over a batch of one coalesced axis), 16 s_bk, 17 s_bn.
-    pf_c and scale as gemm_tile's.
+    (elements; 0 = broadcast over a batch of one coalesced axis), 16 s_bk, 17 s_bn; with
+    rank_add, 18..23 its block (emit_tile). pf_c and scale as gemm_tile's.
     """
     family = "gemm_tile_direct"
     dtype: str    # b's storage dtype: f32 | f16 | bf16
@@ -359,12 +361,13 @@ class GemmTileDirectKey(KernelKey):
     unroll: int
     pf_c: bool = False
     scale: float = 1.0
+    rank_add: bool = False
 
     def ir(self, symbol: str) -> str:
         return str(emit_tile(symbol, self.mr, self.nr_vecs, self.unroll,
                              lambda b, args, N, K, NRc: _direct_b(self.dtype, self.mode, b,
                                                                   args, N, K, NRc), self.pf_c,
-                             self.scale))
+                             self.scale, rank_add=18 if self.rank_add else None))
 
 
 def panel_buffer(b, floats):
@@ -431,7 +434,8 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
 
 
 def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
-              scale: float = 1.0, a_rows: bool = False) -> ir.Module:
+              scale: float = 1.0, a_rows: bool = False, rank_add: int | None = None
+              ) -> ir.Module:
     """The tile kernel of gemm_tile's argument block, MR = R rows x V vectors of accumulators,
     the k loop unrolled U times. Where its B panels come from is the hook's business (the
     packed panels of gemm_pack here; blocks decoded on the fly for the quantized matmul):
@@ -446,7 +450,13 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
     a_rows: argument 0 is A itself, row-major (unit stride along k, row stride argument 12,
     one batch), read in place: row i0 + r of a micro-tile is A's row min(i0 + r, M - 1) (a
     row past M feeds only accumulators that are never stored), so no gemm_pack pass over A
-    and the same FMA chains."""
+    and the same FMA chains.
+    rank_add: the index e of an argument block (e x, e+1 y, e+2 x's row stride, e+3 y's row
+    stride, e+4 r, e+5 s as f32 bits; one batch) that adds s·(x[M, r]·y[r, N]) to each final
+    result as it is stored: c = (the result as stored without it) + s·t, t the FMA chain
+    over r in increasing order from 0 — the bits of a separate gemm(x, y, out=c,
+    accumulate=True, scale=s) run after this one (its rowvec kernel's chain and roundings),
+    without that pass over C: a LoRA delta added in the base projection's tile stores."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
     vt = _vt(W)
@@ -461,6 +471,10 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
     accumulate, cont, more = (b.icmp_signed("!=", b.and_(accflag, u.i64(bit)), u.i64(0))
                               for bit in (SLICE_ACC, SLICE_CONT, SLICE_MORE))
     accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
+    if rank_add is not None:
+        rx, ry = u.arg_ptr(b, args, rank_add), u.arg_ptr(b, args, rank_add + 1)
+        s_rx, s_ry, rank = (u.arg(b, args, rank_add + i) for i in (2, 3, 4))
+        rscale = u.splat(b, u.arg_f32(b, args, rank_add + 5), W)
 
     with u.Loop(b, c0, c1, 1, "c") as c:
         # consecutive chunks share the block of the bigger operand (it streams from memory
@@ -503,6 +517,30 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                         prefetch_next_tile(b, dst, nxt, N, R, NRc)
                     masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                        zero_mask(W)) for v in range(V)] for r in range(R)]
+
+                    def rank_io():
+                        """C += s·(x[rows, :]·y[:, cols]) over the micro-tile just stored
+                        (rank_add): the rank-r FMA chains in the freed accumulators, C reloaded
+                        from L1."""
+                        xrow = [b.gep(rx, [b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
+                                                 s_rx)], source_etype=u.F32) for r in range(R)]
+                        for r in range(R):
+                            for v in range(V):
+                                b.store(u.const(vt, 0.0), accs[r][v])
+                        with u.Loop(b, u.i64(0), rank, 1, "q") as q:
+                            yrow = b.add(b.mul(q, s_ry), j0)
+                            yv = [u.load(b, ry, b.add(yrow, u.i64(v * W)), "f32", W, cmask[v])
+                                  for v in range(V)]
+                            for r in range(R):
+                                xv = u.splat(b, u.load(b, xrow[r], q, "f32"), W)
+                                for v in range(V):
+                                    b.store(_fma(b, xv, yv[v], b.load(accs[r][v])), accs[r][v])
+                        for r in range(R):
+                            for v in range(V):
+                                idx = b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+                                old = u.load(b, C, idx, "f32", W, masks[r][v])
+                                x = b.fadd(old, b.fmul(b.load(accs[r][v]), rscale))
+                                u.store(b, x, C, idx, "f32", masks[r][v])
 
                     def tile_io(ptr, load, add=False, scaled=None):
                         """Load the micro-tile from ptr, or store the accumulators there (added
@@ -555,11 +593,23 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                     final_add = b.and_(last, accumulate)
                     # the final sums are scaled; partial sums of earlier k blocks are not
                     scaled = last if scale != 1.0 else None
-                    with b.if_else(final_add) as (then, other):
-                        with then:
-                            tile_io(C, False, add=True, scaled=scaled)
-                        with other:
-                            tile_io(dst, False, scaled=scaled)
+                    if rank_add is None:
+                        with b.if_else(final_add) as (then, other):
+                            with then:
+                                tile_io(C, False, add=True, scaled=scaled)
+                            with other:
+                                tile_io(dst, False, scaled=scaled)
+                    else:
+                        with b.if_else(last) as (fin, part):
+                            with fin:
+                                with b.if_else(accumulate) as (then, other):
+                                    with then:
+                                        tile_io(C, False, add=True, scaled=scaled)
+                                    with other:
+                                        tile_io(C, False, scaled=scaled)
+                                rank_io()
+                            with part:
+                                tile_io(Cpart, False)
     b.ret_void()
     return mod
 

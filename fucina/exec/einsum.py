@@ -161,11 +161,23 @@ def _sum_away(ctx, x, tags, drop):
 
 def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags: tuple,
            out: RawTensor | None = None, accumulate: bool = False,
-           scale: float = 1.0) -> RawTensor:
+           scale: float = 1.0, rank_add=None) -> RawTensor:
     """result[out_tags] = sum over the other tags of x * y (A-5), contiguous in out_tags order.
     With out= (contiguous, out_tags order) and accumulate=True: out += x.y. scale (an f32
-    value): the sums are rounded as scale·sum first (matmul.gemm's scale)."""
+    value): the sums are rounded as scale·sum first (matmul.gemm's scale). rank_add (u [R, r],
+    v [r, C], s): then result += s·(u·v) over the result viewed as [R, C] (C its last axis),
+    exactly as a gemm(u, v, accumulate=True, scale=s) after it — in the GEMM's tile stores when
+    the product lands in out_tags order as a 2-D GEMM (matmul.gemm's rank_add)."""
     out_tags = tuple(out_tags)
+    if rank_add is not None:
+        res = _einsum_ranked(ctx, x, xtags, y, ytags, out_tags, out, accumulate, scale, rank_add)
+        if res is not None:
+            return res
+        res = einsum(ctx, x, xtags, y, ytags, out_tags, out, accumulate, scale)
+        u, v, s = rank_add
+        gemm(ctx, u, v, out=res.view((u.shape[0], v.shape[1]), (v.shape[1], 1), res.offset),
+             accumulate=True, scale=s)
+        return res
     p = _plan(xtags, x.shape, x.strides, ytags, y.shape, y.strides, y.dtype, out_tags)
     if p is None:
         r = einsum_roles("einsum", xtags, x.shape, ytags, y.shape, out_tags)
@@ -188,6 +200,18 @@ def einsum(ctx, x: RawTensor, xtags: tuple, y: RawTensor, ytags: tuple, out_tags
     if accumulate:
         return ew.run(ctx, "add", "f32", out.shape, (out, shaped), out=out)
     return ew.run(ctx, "copy", "f32", out.shape, (shaped,), out=out)
+
+
+def _einsum_ranked(ctx, x, xtags, y, ytags, out_tags, out, accumulate, scale, rank_add):
+    """einsum with rank_add in one GEMM, or None when the product is not one 2-D GEMM landing
+    in out_tags order."""
+    p = _plan(xtags, x.shape, x.strides, ytags, y.shape, y.strides, y.dtype, out_tags)
+    if p is None or p.swap or p.perm is not None or len(p.full) != 2:
+        return None
+    xv, yv = p.x.apply(ctx, x), p.y.apply(ctx, y)
+    target = None if out is None else out.view(p.full, _contig(p.full), out.offset)
+    c = gemm(ctx, xv, yv, target, accumulate, scale, rank_add=rank_add)
+    return c if out is None else out
 
 
 def _contig(shape):

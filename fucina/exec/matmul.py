@@ -72,12 +72,13 @@ class Plan:
     (base, byte offset) with base one of A, B, C, S (scratch), P (partial sums)."""
 
     __slots__ = ("shape", "kind", "scratch", "partial", "steps", "b_copy", "outer",
-                 "direct")
+                 "direct", "ranked")
 
     def __init__(self, shape):
         self.shape = shape
         self.direct = None    # (addr, n, cost, tail) when the plan is one launch on (a, b, c)
         self.kind = ""        # packed | rowvec [packed-b] | dot [copied-b] (tests, benchmarks)
+        self.ranked = False   # its tile kernels add a rank term (gemm's rank_add) themselves
         self.scratch = 0      # floats
         self.partial = 0      # floats (accumulate with more than one KC block)
         self.steps = []
@@ -119,17 +120,25 @@ def _check(op, a, b, out):
 
 
 def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
-         accumulate: bool = False, scale: float = 1.0) -> RawTensor:
+         accumulate: bool = False, scale: float = 1.0, rank_add=None) -> RawTensor:
     """c[*batch, M, N] = a[*batch, M, K] · b[*batch, K, N] (f32 accumulate); into `out` if given;
     with accumulate=True, out += a·b — one final rounding per element after the full k-sum.
     scale (an f32 value): each sum is rounded once more as scale·sum before it is stored or
-    added — out + scale·(a·b) is then exactly out.add((a·b).scale(scale)), in one pass."""
+    added — out + scale·(a·b) is then exactly out.add((a·b).scale(scale)), in one pass.
+    rank_add (x [M, r], y [r, N], s) for 2-D operands: then c += s·(x·y), exactly as
+    gemm(x, y, out=c, accumulate=True, scale=s) run after this one — inside the tile kernels'
+    stores where the plan has them (a LoRA delta in its base projection), else that pass."""
+    ranked = rank_add is not None
+    if ranked and (a.rank != 2 or b.rank != 2):
+        raise InvalidArgument(f"matmul: rank_add: expected 2-D operands, got shapes {a.shape} "
+                              f"and {b.shape}")
     if 0 in a.lay.shape or 0 in b.lay.shape:
-        return _gemm_empty(ctx, a, b, out, accumulate)
+        out = _gemm_empty(ctx, a, b, out, accumulate)
+        return out if rank_add is None else _rank_pass(ctx, out, rank_add)
     try:
-        plan = _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate, scale)]
+        plan = _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate, scale, ranked)]
     except (KeyError, AttributeError):
-        plan = _new_plan(a, b, out, accumulate, scale)
+        plan = _new_plan(a, b, out, accumulate, scale, ranked)
     if ctx.closed:
         ctx.check_open("add_dot" if accumulate else "matmul")
     if out is None:
@@ -141,7 +150,7 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
         addr, n, cost, tail = plan.direct
         ctx.launch(addr, n, cost, a.addr, b.addr, out.addr, *tail)
     elif plan.outer is None:
-        run_plan(ctx, plan, a, b, out, 0, 0, 0)
+        run_plan(ctx, plan, a, b, out, 0, 0, 0, _rank_args(plan, out, rank_add))
     else:
         oshape, ast, bst = plan.outer
         inner = numel(plan.shape[len(oshape):])
@@ -153,7 +162,39 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
                 ao += i * ast[d]
                 bo += i * bst[d]
             run_plan(ctx, plan, a, b, out, ao * 4, bo * b.lay.itemsize, idx * inner * 4)
+    if ranked and not plan.ranked:
+        _rank_pass(ctx, out, rank_add)
     return out
+
+
+def _rank_args(plan, out, rank_add) -> tuple:
+    """The tile kernels' rank_add block (emit_tile), checked; () when the plan has none."""
+    if not plan.ranked:
+        return ()
+    x, y, s = rank_add
+    M, N = out.shape
+    if x.shape[0] != M or y.shape[1] != N or x.shape[1] != y.shape[0] or x.shape[1] < 1:
+        raise ShapeMismatch(f"matmul: rank_add: expected x [{M}, r] and y [r, {N}] with r >= 1, "
+                            f"got {x.shape} and {y.shape}")
+    if x.dtype != "f32" or y.dtype != "f32" or x.strides[1] != 1 or y.strides[1] != 1:
+        raise InvalidArgument("matmul: rank_add: expected f32 x and y with unit column strides")
+    if out.buf is x.buf or out.buf is y.buf:
+        raise ValueError("matmul: rank_add: expected x and y in buffers distinct from out's")
+    return (x.addr, y.addr, x.strides[0], y.strides[0], x.shape[1], _f32_bits("matmul", s))
+
+
+def _f32_bits(op, scale) -> int:
+    """scale's f32 bit pattern, for a finite float that is an f32 value."""
+    if not isinstance(scale, float) or not math.isfinite(scale) or \
+            struct.unpack("<f", struct.pack("<f", scale))[0] != scale:
+        raise InvalidArgument(f"{op}: expected scale a finite f32 value (a float), got {scale!r}")
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
+
+
+def _rank_pass(ctx, out, rank_add):
+    """The rank term as its own pass over out (plans whose kernels do not add it)."""
+    x, y, s = rank_add
+    return gemm(ctx, x, y, out=out, accumulate=True, scale=s)
 
 
 def _gemm_empty(ctx, a, b, out, accumulate):
@@ -172,16 +213,14 @@ def _gemm_empty(ctx, a, b, out, accumulate):
     return out
 
 
-def _new_plan(a, b, out, accumulate, scale) -> "Plan":
+def _new_plan(a, b, out, accumulate, scale, ranked=False) -> "Plan":
     op = "add_dot" if accumulate else "matmul"
     shape = _check(op, a, b, out)
     if accumulate and out is None:
         raise ValueError(f"{op}: accumulate=True needs out= (the tensor to add to)")
-    if not isinstance(scale, float) or not math.isfinite(scale) or \
-            struct.unpack("<f", struct.pack("<f", scale))[0] != scale:
-        raise InvalidArgument(f"{op}: expected scale a finite f32 value (a float), got {scale!r}")
-    plan = _make_plan(a, b, shape, accumulate, scale)
-    _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate, scale)] = plan
+    _f32_bits(op, scale)
+    plan = _make_plan(a, b, shape, accumulate, scale, ranked)
+    _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate, scale, ranked)] = plan
     return plan
 
 
@@ -193,7 +232,7 @@ def path_of(a: RawTensor, b: RawTensor) -> str:
     return plan.kind + (" outer" if plan.outer else "")
 
 
-def run_plan(ctx, plan, a, b, out, aoff, boff, coff):
+def run_plan(ctx, plan, a, b, out, aoff, boff, coff, extra=()):
     base = [a.addr + aoff, b.addr + boff, out.addr + coff, 0, 0]   # a b c s p
     keep = []
     if plan.scratch:
@@ -209,8 +248,8 @@ def run_plan(ctx, plan, a, b, out, aoff, boff, coff):
         keep.append(bc)
         base[1] = bc.addr
     launch = ctx.launch
-    for addr, n, cost, ptrs, tail in plan.steps:
-        launch(addr, n, cost, *[base[r] + o for r, o in ptrs], *tail)
+    for addr, n, cost, ptrs, tail in plan.steps:   # extra: read by the tile kernels only
+        launch(addr, n, cost, *[base[r] + o for r, o in ptrs], *tail, *extra)
     del keep
 
 
@@ -237,7 +276,7 @@ def _coalesce_batch(shape, strides_list):
     return cs, cst
 
 
-def _make_plan(a, b, shape, accumulate, scale) -> Plan:
+def _make_plan(a, b, shape, accumulate, scale, ranked=False) -> Plan:
     plan = Plan(shape)
     M, K = a.shape[-2:]
     N = b.shape[-1]
@@ -272,8 +311,9 @@ def _make_plan(a, b, shape, accumulate, scale) -> Plan:
     elif K * N <= RV_MAX_B or (M <= RV_ROWS and K <= RV_ROWS_K and unit_n):
         _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
     else:
+        plan.ranked = ranked and nbatch == 1 and plan.outer is None
         _plan_packed(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
-    if (len(plan.steps) == 1 and not plan.scratch and not plan.partial and not plan.b_copy
+    if (not plan.ranked and len(plan.steps) == 1 and not plan.scratch and not plan.partial and not plan.b_copy
             and plan.outer is None):
         addr, n, cost, ptrs, tail = plan.steps[0]
         if ptrs == ((A, 0), (B, 0), (C, 0)):
@@ -429,7 +469,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
             NC = blocks(panels, -(-panels // 2)) * NR
         b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)
         addr = kernels.get(g.GemmTileDirectKey(bdt, bmode, MR, g.NR_VECS, g.UNROLL, pf_c,
-                                               scale))
+                                               scale, plan.ranked))
         extra = (s_bk, s_bn)
     else:
         plan.kind = "packed"
@@ -437,7 +477,8 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
         plan.scratch = asz + bsz
         NC = blocks(Np // NR, NC_PANELS) * NR
         b_ptr, b_bat = (S, asz * 4), (0 if npb == 1 else Np * KS)
-        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, pf_c, scale, a_rows))
+        addr = kernels.get(g.GemmTileKey(MR, g.NR_VECS, g.UNROLL, pf_c, scale, a_rows,
+                                         plan.ranked))
         extra = ()
     nnb = -(-N // NC)
     if acc and K > g.KC:

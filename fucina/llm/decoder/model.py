@@ -21,7 +21,8 @@ Everything else — norms, RoPE, attention, softmax, the loss, any adapter — s
 
 One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
 deltas to the frozen projections (None = the plain model; the layer never reads a base after
-handing it to the hook, which may write its result over it):
+handing it to the hook, which may write its result over it; a hook with `project(name, input,
+w)` computes an unbiased f32 projection and its delta itself, in one GEMM):
     attn_in = x.rms_norm_mul("embed", attn_norm, eps)
     q, k, v = attn_in · Wq/Wk/Wv (a fused attn_qkv weight is split after its one dot)
     q_rope = q3.rms_norm_mul_rope_half_prepared("seq", "d", q_norm, eps, table)   (same for k)
@@ -209,7 +210,19 @@ class Model:
     def linear(self, layer: int, name: str, x: Tensor, adapt=None) -> Tensor:
         """x · W_name of one layer (contracting the weight's input tag), then adapt(name, x,
         base) when given. (q, k, v go through `attention_inputs`, which knows fused weights.)"""
-        base = self.dot(x, self.layers[layer].linear[name], LINEARS[name][1])
+        return self._project(name, x, self.layers[layer].linear[name], adapt)
+
+    def _project(self, name: str, x: Tensor, w: Tensor, adapt, bias=None) -> Tensor:
+        """x · w (+ bias), then adapt(name, x, base); in one GEMM when the hook has
+        project(name, x, w) and takes it (f32 compute, no bias: Adapter.project)."""
+        if adapt is not None and bias is None and self.compute == "f32" and \
+                not self.q8_matvec and hasattr(adapt, "project"):
+            y = adapt.project(name, x, w)
+            if y is not None:
+                return y
+        base = self.dot(x, w, LINEARS[name][1])
+        if bias is not None:
+            base = base.add(bias)
         return base if adapt is None else adapt(name, x, base)
 
     def attention_inputs(self, layer: int, attn_in: Tensor, adapt=None) -> tuple:
@@ -217,14 +230,15 @@ class Model:
         w = self.layers[layer]
         c = self.config
         if w.qkv is None:
-            bases = [self.dot(attn_in, w.linear[n], "embed") for n in ("q", "k", "v")]
-        else:
-            fused = self.dot(attn_in, w.qkv, "embed")
-            bases, start = [], 0
-            for name, n in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
-                bases.append(fused.narrow("qkv", start, n).reshape(("seq", name),
-                                                                   (fused.shape[0], n)))
-                start += n
+            bias = w.bias or {}
+            return tuple(self._project(n, attn_in, w.linear[n], adapt, bias.get(n))
+                         for n in ("q", "k", "v"))
+        fused = self.dot(attn_in, w.qkv, "embed")
+        bases, start = [], 0
+        for name, n in (("q", c.q_dim), ("k", c.kv_dim), ("v", c.kv_dim)):
+            bases.append(fused.narrow("qkv", start, n).reshape(("seq", name),
+                                                               (fused.shape[0], n)))
+            start += n
         out = []
         for name, base in zip(("q", "k", "v"), bases):
             if w.bias is not None:

@@ -91,6 +91,11 @@ class _Lora:
         ad = self.adapters.get(name)
         return base if ad is None else ad.apply(x, base, self.seeds.get(name), reuse_base=True)
 
+    def project(self, name, x, w):
+        """x · w plus the delta in one GEMM (Adapter.project); None without an adapter."""
+        ad = self.adapters.get(name)
+        return None if ad is None else ad.project(x, w, self.seeds.get(name))
+
 
 def _bound(ad: Adapter, a: Tensor, b: Tensor) -> Adapter:
     """ad's configuration over the given A/B tensors (a checkpoint recompute's fresh leaves)."""
