@@ -593,23 +593,14 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                     final_add = b.and_(last, accumulate)
                     # the final sums are scaled; partial sums of earlier k blocks are not
                     scaled = last if scale != 1.0 else None
-                    if rank_add is None:
-                        with b.if_else(final_add) as (then, other):
-                            with then:
-                                tile_io(C, False, add=True, scaled=scaled)
-                            with other:
-                                tile_io(dst, False, scaled=scaled)
-                    else:
-                        with b.if_else(last) as (fin, part):
-                            with fin:
-                                with b.if_else(accumulate) as (then, other):
-                                    with then:
-                                        tile_io(C, False, add=True, scaled=scaled)
-                                    with other:
-                                        tile_io(C, False, scaled=scaled)
-                                rank_io()
-                            with part:
-                                tile_io(Cpart, False)
+                    with b.if_else(final_add) as (then, other):
+                        with then:
+                            tile_io(C, False, add=True, scaled=scaled)
+                        with other:
+                            tile_io(dst, False, scaled=scaled)
+                    if rank_add is not None:
+                        with b.if_then(last):
+                            rank_io()
     b.ret_void()
     return mod
 
