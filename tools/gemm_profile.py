@@ -46,9 +46,9 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
 
     real_gemm = mm.gemm
 
-    def gemm(c, a, b, out=None, accumulate=False, scale=1.0):
+    def gemm(c, a, b, out=None, accumulate=False, scale=1.0, **kw):
         if current[0] is not None:
-            return real_gemm(c, a, b, out, accumulate, scale)
+            return real_gemm(c, a, b, out, accumulate, scale, **kw)
         M, K = a.shape[-2:]
         N = b.shape[-1]
         batch = int(np.prod(a.shape[:-2])) if a.rank > 2 else 1
@@ -62,7 +62,7 @@ def profile(path: str, targets, threads: int, seq: int, steps: int, clock=time.p
         current[0] = len(calls) - 1
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
-            return real_gemm(c, a, b, out, accumulate, scale)
+            return real_gemm(c, a, b, out, accumulate, scale, **kw)
         finally:
             current[0] = None
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)

@@ -13,6 +13,7 @@ from ..errors import (ActiveExecScopeRequired, DTypeError, InvalidArgument, Inva
 from ..exec import einsum as es
 from ..exec import elementwise as ew
 from ..exec import reduce as red
+from ..exec import matmul as mm
 from ..exec.matmul import gemm
 from ..exec.dtypes import BLOCKS
 from .checks import same_ctx
@@ -138,18 +139,24 @@ def lora_linear(x, w, a, bm, s: float):
 
     def make_vjp(needs):
         kept = (xr if needs[1] else None, xa if needs[2] else None)
-        return functools.partial(_lora_linear_grads, (ctx, kept, x.tags, w, a, bm, s,
+        return functools.partial(_lora_linear_grads, (ctx, kept, x.tags, w, a, bm, bt, s,
                                                       out_tags, xa_tags, y.shape), needs)
     return finish_op("lora_linear", y, out_tags, (x, a, bm), make_vjp, into=True)
 
 
 def _lora_linear_grads(saved, needs, g, acc=(None, None, None)):
     """The unfused chain's gradients: s·g (add_scaled's), dxa = (s·g)·bm, dbm = xaᵀ·(s·g),
-    da = dxaᵀ·x, and dx = [acc +] g·w + dxa·a with the rank part in dx's tile stores."""
-    ctx, (xr, xa), xt, w, a, bm, s, out_tags, xa_tags, shape = saved
+    da = dxaᵀ·x, and dx = [acc +] g·w + dxa·a with the rank part in dx's tile stores. dxa
+    reads bm through the forward's [rank, out] copy bt where the GEMM would copy bm so first
+    (the same kernel on the same [rank, out] values: the bits of the chain, one launch less)."""
+    ctx, (xr, xa), xt, w, a, bm, bt, s, out_tags, xa_tags, shape = saved
     wr, ar, br = w._raw, a._raw, bm._raw
     _, gs = add_scaled_grads(ctx, shape, s, (False, True), g)
-    gxa = es.einsum(ctx, gs, out_tags, br, bm.tags, xa_tags) if needs[0] or needs[1] else None
+    gxa = None
+    if needs[0] or needs[1]:
+        if gs.rank == 2 and mm.copies_b(gs, br):
+            br = bt.permute((1, 0))
+        gxa = es.einsum(ctx, gs, out_tags, br, bm.tags, xa_tags)
     gb = es.einsum(ctx, xa, xa_tags, gs, out_tags, bm.tags) if needs[2] else None
     ga = es.einsum(ctx, xr, xt, gxa, xa_tags, a.tags) if needs[1] else None
     gx = None

@@ -232,6 +232,15 @@ def path_of(a: RawTensor, b: RawTensor) -> str:
     return plan.kind + (" outer" if plan.outer else "")
 
 
+def copies_b(a: RawTensor, b: RawTensor) -> bool:
+    """gemm(a, b) would first copy b contiguous along k, as [N, K] (a caller holding that
+    copy can pass its transposed view instead: the same kernel, the same bits)."""
+    plan = _plans.get((a.lay, b.lay, None, False, 1.0, False))
+    if plan is None:
+        plan = _new_plan(a, b, None, False, 1.0)
+    return plan.b_copy == "nk"
+
+
 def run_plan(ctx, plan, a, b, out, aoff, boff, coff, extra=()):
     base = [a.addr + aoff, b.addr + boff, out.addr + coff, 0, 0]   # a b c s p
     keep = []
@@ -376,7 +385,7 @@ def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, a
         work = rm * rn * K
     nrg = -(-M // rm)
     items = nbatch * nrg * ncb
-    per = max(1, SMALL_CHUNK // max(work, 1))
+    per = even_chunks(items, max(1, SMALL_CHUNK // max(work, 1)))
     addr = kernels.get(g.GemmSmallKey(bdt, mode, rm, rn, scale))
     plan.steps.append((addr, -(-items // per), nbatch * M * N * K,
                        ((A, 0), (b_base, 0), (C, 0)),
@@ -420,6 +429,16 @@ def blocks(n_panels, max_per):
     """Split n_panels into equal-ish blocks of at most max_per panels: panels per block."""
     nblk = -(-n_panels // max_per)
     return -(-n_panels // nblk)
+
+
+def even_chunks(items, max_per):
+    """Items per chunk, at most max_per, for an even chunk count when there are several (two
+    threads take contiguous halves: the [256, 576] x [576, 8] adapter product's 37-item
+    chunks made 3 chunks, run as 2 + 1)."""
+    n = -(-items // max_per)
+    if n % 2 and n > 1:
+        return -(-items // (n + 1))
+    return max_per
 
 
 def even_blocks(n_panels, max_per):
