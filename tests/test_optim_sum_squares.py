@@ -104,18 +104,38 @@ def test_thread_invariance(ctx1, ctx2):
     assert v1 == v2 == ref_sum_squares(a)
 
 
-def test_many_tensors_fold_in_order(ctx):
+def test_many_tensors_fold_in_order(ctx1, ctx2):
+    """The chunks of all the tensors of one dtype go in one launch (a table of chunks); with
+    the dtypes interleaved, every tensor's partials still land in its own slots and fold in
+    order, at 1 and 2 threads."""
     from fucina.exec import optim as xo
 
-    arrays = [RNG.standard_normal(n).astype(np.float32) for n in (3, CHUNK + 1, 17, 2 * CHUNK)]
-    raws = [ctx.tensor(a, ("i",))._raw for a in arrays]
-    each, total = xo.sum_squares_many(ctx, raws)
-    want = [ref_sum_squares(a) for a in arrays]
-    assert each == want
+    cases = [(3, "f32"), (CHUNK + 1, "bf16"), (17, "f32"), (2 * CHUNK, "f16"), (CHUNK + 19, "f32"),
+             (5, "bf16")]
+    data = [_data(n, dt) for n, dt in cases]
+    want = [ref_sum_squares(v) for v, _ in data]
     acc = 0.0
     for w in want:
         acc += w
-    assert total == acc
+    for ctx in (ctx1, ctx2):
+        raws = [ctx.tensor(a, ("i",), dtype=dt)._raw for (_, a), (_, dt) in zip(data, cases)]
+        each, total = xo.sum_squares_many(ctx, raws)
+        assert each == want
+        assert total == acc
+
+
+def test_scaling_many_tensors_is_one_rounded_multiply(ctx1, ctx2):
+    """A clip's scaling (one launch over a table of chunks) multiplies each element by
+    f32(factor), one rounding: numpy's f32 product, bitwise, at 1 and 2 threads."""
+    from fucina.exec import optim as xo
+
+    arrays = [RNG.standard_normal(n).astype(np.float32) for n in (1, 33, CHUNK + 7, 3 * CHUNK)]
+    for ctx in (ctx1, ctx2):
+        raws = [ctx.tensor(a, ("i",))._raw for a in arrays]
+        xo.scale_many(raws, 0.3)
+        for r, a in zip(raws, arrays):
+            got = r.to_numpy()
+            assert got.view(np.uint32).tolist() == (a * np.float32(0.3)).view(np.uint32).tolist()
 
 
 def test_errors(ctx):

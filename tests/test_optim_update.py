@@ -346,6 +346,57 @@ def test_thread_invariance_over_several_chunks(ctx1, ctx2, kind, extra, dtype):
     assert_bitwise(master, want[-1][0])
 
 
+@pytest.mark.parametrize("kind,extra,dtype", [
+    ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True), "f32"),
+    ("SGD", dict(lr=0.1), "f32"),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.2, state_dtype="bf16"), "bf16"),
+    ("Adam", dict(lr=0.01, weight_decay=0.1), "f32"),
+    ("AdamW", dict(lr=0.01, state_dtype="bf16", second_moment_dtype="bf16"), "f16"),
+    ("AdamW", dict(lr=0.01, weight_decay=0.0), "f32"),
+])
+def test_many_slots_in_one_launch_step_as_each_alone(ctx1, ctx2, kind, extra, dtype):
+    """An optimizer steps all its slots of one key and step count by one launch of the update's
+    table form (a LoRA trainer's 420 adapter matrices: 420 launches -> 1). Params of several
+    chunks and tails, stepped together at 1 and 2 threads, end bitwise where each param stepped
+    alone by the one-tensor kernel ends, state included."""
+    from fucina.codegen import kernels
+
+    rng = np.random.default_rng(5)
+    sizes = [7, 4608, (1 << 15) + 3, 1, 2 * (1 << 15), 100]
+    p0 = [rng.standard_normal(n).astype(F) for n in sizes]
+    grads = [rng.standard_normal((3, n)).astype(F) for n in sizes]
+    runs = []
+    for c, together in ((ctx1, True), (ctx2, True), (ctx1, False)):
+        ws = [c.variable(narrow(p, dtype), ("i",), dtype=dtype) for p in p0]
+        opts = [make(kind, extra)] if together else [make(kind, extra) for _ in ws]
+        for i, w in enumerate(ws):
+            opts[0 if together else i].add_param(w)
+        seen = []
+        real = c.launch
+        c.launch = lambda addr, *a: (seen.append(kernels.keys_by_address().get(addr)),
+                                     real(addr, *a))[1]
+        try:
+            for t in range(3):
+                for w, g in zip(ws, grads):
+                    feed(c, w, g[t])
+                seen.clear()
+                for o in opts:
+                    o.step()
+                updates = [k for k in seen if k is not None and k.family in ("sgd", "adam")]
+                assert len(updates) == (1 if together else len(ws))
+                assert all(k.table == together for k in updates)
+        finally:
+            del c.launch
+        runs.append([(w.numpy(), opts[0 if together else i].state_of(w))
+                     for i, w in enumerate(ws)])
+    for other in runs[1:]:
+        for (p1, s1), (p2, s2) in zip(runs[0], other):
+            assert_bitwise(p1, p2)
+            for k in s1:
+                if k != "step":
+                    assert_bitwise(s1[k], s2[k])
+
+
 def test_params_without_grad_are_skipped(ctx):
     a = ctx.variable(np.ones(3, F), ("i",))
     b = ctx.variable(np.ones(2, F), ("j",))

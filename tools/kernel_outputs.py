@@ -144,8 +144,9 @@ def _optim_cases(ctx, table):
                         p, master, g, states = buffers(param, [] if state == "none" else [state], 1)
                         buf = states[0] if states else None
                         scalars = [_f32_bits(v) for v in (0.05, 0.9, 1.0 - 0.1, 0.01)]
-                        optim.sgd_step(ctx, key, n, p.addr, master.addr if master else 0, g.addr,
-                                       buf.addr if buf else 0, scalars)
+                        optim.update(ctx, key, [(n, (p.addr, master.addr if master else 0,
+                                                     g.addr, buf.addr if buf else 0))],
+                                     tuple(scalars))
                         table[f"optim/sgd/{param}/{state}/{decay}/{nesterov}/{first}"] = \
                             hashlib.sha256(outputs(p, master, buf).encode()).hexdigest()
         for decoupled in (False, True):
@@ -155,8 +156,8 @@ def _optim_cases(ctx, table):
                     p, master, g, (m, v) = buffers(param, list(mv), 2)
                     scalars = [_f32_bits(x) for x in (1.0 - 1e-3 * 0.1, 0.1, 0.1, 0.999, 0.001,
                                                       1e-8, 0.0316, 1e-3 / 0.19)]
-                    optim.adam_step(ctx, key, n, p.addr, master.addr if master else 0, g.addr,
-                                    m.addr, v.addr, scalars)
+                    optim.update(ctx, key, [(n, (p.addr, master.addr if master else 0, g.addr,
+                                                 m.addr, v.addr))], tuple(scalars))
                     table[f"optim/adam/{decoupled}/{param}/{mv[0]}/{decay}"] = \
                         hashlib.sha256(outputs(p, master, m, v).encode()).hexdigest()
 

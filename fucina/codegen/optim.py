@@ -30,6 +30,12 @@ Argument blocks (pointers first; f32 scalars as bits)
   sgd:    p, master, g, buf, n, chunk, lr, momentum, 1−dampening, wd
   adam:   p, master, g, m, v, n, chunk, keep, wd, 1−β1, β2, 1−β2, eps, sqrt(bc2), step_size
 (master is 0 for an f32 param; buf is 0 without momentum.)
+
+Table forms (`table=True`, op "rows", ScaleKey): one launch for many tensors (an optimizer's
+slots, a clip's gradients) instead of one each. Argument 0 is a table of i64 rows, one row per
+chunk: the update's pointers at the chunk's first element, then its element count (sumsq: x,
+count, partial index; scale: x, count). The scalars follow in the order above. Each element
+meets the same arithmetic as in the one-tensor form, so the bits are the same.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from ..kernel_templates import optim as _t
 from . import irutil as u
 from .kernels import KernelKey, register
 from .lowering import lower_table
-from .rows import chunk_pass
+from .rows import chunk_pass, map_pass
 from .target import host
 
 F64 = ir.DoubleType()
@@ -56,7 +62,8 @@ STATE_DTYPES = ("f32", "bf16")
 @register
 @dataclass(frozen=True)
 class SumSquaresKey(KernelKey):
-    """op: chunks (one partial per chunk of a `dtype` tensor) | fold (partials to totals)."""
+    """op: chunks (one partial per chunk of a `dtype` tensor) | rows (one partial per row of
+    a table: chunks of many `dtype` tensors) | fold (partials to totals)."""
 
     family = "sum_squares"
     op: str = "chunks"
@@ -64,7 +71,8 @@ class SumSquaresKey(KernelKey):
 
     def ir(self, symbol: str) -> str:
         mod, b, args, c0, c1 = u.kernel(symbol)
-        (_sumsq_chunks if self.op == "chunks" else _sumsq_fold)(self, b, args, c0, c1)
+        {"chunks": _sumsq_chunks, "rows": _sumsq_rows, "fold": _sumsq_fold}[self.op](
+            self, b, args, c0, c1)
         b.ret_void()
         return str(mod)
 
@@ -80,11 +88,32 @@ def _widen64(b, base, i, dtype, lanes):
 def _sumsq_chunks(key, b, args, c0, c1):
     x, part = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
     n, chunk = u.arg(b, args, 2), u.arg(b, args, 3)
-    pair_a, pair_b = u.entry_alloca(b, D8), u.entry_alloca(b, D8)
-    acc0, total = u.entry_alloca(b, D4), u.entry_alloca(b, F64)
+    span = _sumsq_span(key, b)
     with u.Loop(b, c0, c1, 1, "c") as c:
         s = b.mul(c, chunk)
-        e = u.smin(b, b.add(s, chunk), n)
+        span(x, s, u.smin(b, b.add(s, chunk), n), b.gep(part, [c], source_etype=F64))
+
+
+def _sumsq_rows(key, b, args, c0, c1):
+    table, part = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+    span = _sumsq_span(key, b)
+    with u.Loop(b, c0, c1, 1, "c") as c:
+        x, n, slot = _row(b, table, c, 3)
+        span(b.inttoptr(x, u.PTR), u.i64(0), n, b.gep(part, [slot], source_etype=F64))
+
+
+def _row(b, table, c, width):
+    """The `width` i64 words of row c of a table."""
+    base = b.mul(c, u.i64(width))
+    return [u.load(b, table, b.add(base, u.i64(i)), "i64") for i in range(width)]
+
+
+def _sumsq_span(key, b):
+    """span(x, s, e, dst): *dst = Σ x[s:e]² in the T-7 order of one chunk."""
+    pair_a, pair_b = u.entry_alloca(b, D8), u.entry_alloca(b, D8)
+    acc0, total = u.entry_alloca(b, D4), u.entry_alloca(b, F64)
+
+    def span(x, s, e, dst):
         length = b.sub(e, s)
         big = b.add(s, b.sub(length, b.srem(length, u.i64(16))))
         full = b.add(s, b.sub(length, b.srem(length, u.i64(4))))
@@ -106,7 +135,8 @@ def _sumsq_chunks(key, b, args, c0, c1):
         with u.Loop(b, full, e, 1, "s1") as i:  # the scalar tail
             w = b.fpext(u.load(b, x, i, key.dtype), F64)
             b.store(b.fadd(b.load(total), b.fmul(w, w)), total)
-        b.store(b.load(total), b.gep(part, [c], source_etype=F64))
+        b.store(b.load(total), dst)
+    return span
 
 
 def _sumsq_fold(key, b, args, c0, c1):
@@ -150,23 +180,50 @@ class _Param:
 PREFETCH = 2048  # elements ahead of the software prefetch (see AdamKey.ir)
 
 
-def _update_kernel(symbol, nptrs, nscalars, body, streams=()):
+@register
+@dataclass(frozen=True)
+class ScaleKey(KernelKey):
+    """x *= f for the f32 tensors of a table (rows: x, count; then f's bits): a clip's
+    gradients in one launch. One rounded multiply per element, as the elementwise mul."""
+
+    family = "grad_scale"
+
+    def ir(self, symbol: str) -> str:
+        def body(b, ptrs, scalars, c, W, mask):
+            u.store(b, b.fmul(u.load(b, ptrs[0], c, "f32", W, mask), scalars[0]), ptrs[0], c,
+                    "f32", mask)
+        return _update_kernel(symbol, 1, 1, body, table=True)
+
+
+def _update_kernel(symbol, nptrs, nscalars, body, streams=(), table=False):
     """The shared frame: pointer args, n, chunk, f32 scalars (splatted), one chunk_pass over the
     elements of chunks [c0, c1); body(b, ptrs, scalars, c, W, mask). streams: the (pointer
-    index, dtype) to prefetch PREFETCH elements ahead (none: the hardware prefetcher alone)."""
+    index, dtype) to prefetch PREFETCH elements ahead (none: the hardware prefetcher alone).
+    table: argument 0 is a table of chunks (rows of nptrs pointers and a count), the scalars
+    follow; each row is one pass over its elements."""
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = host().f32_lanes
-    ptrs = [u.arg_ptr(b, args, i) for i in range(nptrs)]
-    n, chunk = u.arg(b, args, nptrs), u.arg(b, args, nptrs + 1)
-    scalars = [u.splat(b, u.arg_f32(b, args, nptrs + 2 + k), W) for k in range(nscalars)]
+    first = 1 if table else nptrs + 2
+    scalars = [u.splat(b, u.arg_f32(b, args, first + k), W) for k in range(nscalars)]
 
-    def step(c, mask):
-        if mask is None:  # a prefetch never faults, past the end included
-            ahead = b.add(c, u.i64(PREFETCH))
-            for i, dtype in streams:
-                u.prefetch(b, ptrs[i], ahead, dtype)
-        body(b, ptrs, scalars, c, W, mask)
-    chunk_pass(b, c0, c1, n, chunk, W, step)
+    def steps(ptrs):
+        def step(c, mask):
+            if mask is None:  # a prefetch never faults, past the end included
+                ahead = b.add(c, u.i64(PREFETCH))
+                for i, dtype in streams:
+                    u.prefetch(b, ptrs[i], ahead, dtype)
+            body(b, ptrs, scalars, c, W, mask)
+        return step
+
+    if table:
+        rows = u.arg_ptr(b, args, 0)
+        with u.Loop(b, c0, c1, 1, "row") as c:
+            *words, n = _row(b, rows, c, nptrs + 1)
+            map_pass(b, u.i64(0), n, W, steps([b.inttoptr(w, u.PTR) for w in words]))
+    else:
+        ptrs = [u.arg_ptr(b, args, i) for i in range(nptrs)]
+        n, chunk = u.arg(b, args, nptrs), u.arg(b, args, nptrs + 1)
+        chunk_pass(b, c0, c1, n, chunk, W, steps(ptrs))
     b.ret_void()
     return str(mod)
 
@@ -188,9 +245,10 @@ class SgdKey(KernelKey):
     decay: bool = False
     nesterov: bool = False
     first: bool = False
+    table: bool = False   # the table form (module docstring)
 
     def ir(self, symbol: str) -> str:
-        return _update_kernel(symbol, 4, 4, self._body)
+        return _update_kernel(symbol, 4, 4, self._body, table=self.table)
 
     def _body(self, b, ptrs, scalars, c, W, m):
         p_ptr, master, g_ptr, buf = ptrs
@@ -222,6 +280,7 @@ class AdamKey(KernelKey):
     m: str = "f32"
     v: str = "f32"
     decay: bool = False
+    table: bool = False   # the table form (module docstring)
 
     def ir(self, symbol: str) -> str:
         # Software prefetch of every stream pays only with a bf16 moment (its widen/narrow makes
@@ -230,7 +289,7 @@ class AdamKey(KernelKey):
         streams = []
         if "bf16" in (self.m, self.v):
             streams = _param_streams(self.param) + [(2, "f32"), (3, self.m), (4, self.v)]
-        return _update_kernel(symbol, 5, 8, self._body, streams)
+        return _update_kernel(symbol, 5, 8, self._body, streams, self.table)
 
     def _body(self, b, ptrs, scalars, c, W, mask):
         p_ptr, master, g_ptr, m_ptr, v_ptr = ptrs

@@ -6,10 +6,13 @@ functions only pick the kernel and launch it over a chunk grid fixed by the elem
 """
 from __future__ import annotations
 
+import dataclasses
 import struct
 
+import numpy as np
+
 from ..codegen import kernels
-from ..codegen.optim import AdamKey, SgdKey, SumSquaresKey
+from ..codegen.optim import AdamKey, ScaleKey, SgdKey, SumSquaresKey
 from . import elementwise as ew
 from .raw import RawTensor
 
@@ -30,7 +33,8 @@ def kernel(key) -> int:
 
 def sum_squares_many(ctx, xs) -> tuple[list[float], float]:
     """([Σ x² of each tensor], Σ of those in order), all f64 in the T-7 order; xs: contiguous
-    f32/f16/bf16 RawTensors (any contexts). Bitwise the same for any thread count."""
+    f32/f16/bf16 RawTensors (any contexts). Bitwise the same for any thread count. The chunks
+    of all the tensors of one context and dtype go in one launch (a table of chunks)."""
     P = len(xs)
     offs = [0]
     for x in xs:
@@ -40,12 +44,37 @@ def sum_squares_many(ctx, xs) -> tuple[list[float], float]:
     struct.pack_into(f"<{P + 1}q", scratch, 0, *offs)
     part = scratch.addr + 8 * (P + 1)
     out = 8 * (P + 1 + offs[-1])
+    groups: dict = {}
     for i, x in enumerate(xs):
-        x.ctx.launch(kernel(SumSquaresKey("chunks", x.dtype)), offs[i + 1] - offs[i],
-                     x.numel * x.lay.itemsize, x.addr, part + 8 * offs[i], x.numel, SUMSQ_CHUNK)
+        groups.setdefault((x.ctx, x.dtype), []).append(i)
+    for (xctx, dtype), members in groups.items():
+        if len(members) == 1:
+            x, i = xs[members[0]], members[0]
+            xctx.launch(kernel(SumSquaresKey("chunks", dtype)), offs[i + 1] - offs[i],
+                        x.numel * x.lay.itemsize, x.addr, part + 8 * offs[i], x.numel,
+                        SUMSQ_CHUNK)
+            continue
+        rows, nbytes = [], 0
+        for i in members:
+            x = xs[i]
+            size = x.lay.itemsize
+            nbytes += x.numel * size
+            for k, s in enumerate(range(0, x.numel, SUMSQ_CHUNK)):
+                rows.append((x.addr + s * size, min(SUMSQ_CHUNK, x.numel - s), offs[i] + k))
+        table = _table(xctx, rows)
+        xctx.launch(kernel(SumSquaresKey("rows", dtype)), len(rows), nbytes, table.addr, part)
     ctx.launch(kernel(_FOLD), 1, 0, part, scratch.addr, P, scratch.addr + out)
     vals = struct.unpack_from(f"<{P + 1}d", scratch, out)
     return list(vals[:-1]), vals[-1]
+
+
+def _table(ctx, rows):
+    """A pool buffer holding the i64 rows of a table launch (the launch reads it before this
+    buffer can be reused: launches are synchronous)."""
+    words = np.asarray(rows, dtype=np.uint64).ravel()
+    buf = ctx.pool.alloc(8 * len(words), False)
+    np.frombuffer(buf, dtype=np.uint64, count=len(words))[:] = words
+    return buf
 
 
 def sum_squares(ctx, x: RawTensor) -> float:
@@ -53,26 +82,58 @@ def sum_squares(ctx, x: RawTensor) -> float:
     return sum_squares_many(ctx, [x])[1]
 
 
-def scale_(ctx, x: RawTensor, factor: float) -> None:
-    """x *= f32(factor) in place (contiguous f32), by the elementwise kernel."""
-    ew.run(ctx, "mul", "f32", x.shape, (x, factor), out=x)
+def scale_many(xs, factor: float) -> None:
+    """x *= f32(factor) in place for every contiguous f32 x (any contexts): one launch per
+    context over a table of chunks, the bits of scale_."""
+    groups: dict = {}
+    for x in xs:
+        groups.setdefault(x.ctx, []).append(x)
+    bits = ew.f32_bits(factor)
+    for xctx, members in groups.items():
+        rows = [(x.addr + 4 * s, min(CHUNK, x.numel - s))
+                for x in members for s in range(0, x.numel, CHUNK)]
+        table = _table(xctx, rows)
+        xctx.launch(kernel(_SCALE), len(rows), 8 * sum(x.numel for x in members), table.addr,
+                    bits)
 
 
-def sgd_step(ctx, key: SgdKey, n: int, p: int, master: int, g: int, buf: int, scalars) -> None:
-    """One fused SGD update over n elements; scalars: f32 bits of lr, momentum, 1−dampening, wd."""
-    addr, per = _plan(key)
-    ctx.launch(addr, -(-n // CHUNK), n * per, p, master, g, buf, n, CHUNK, *scalars)
+_SCALE = ScaleKey()
 
 
-def adam_step(ctx, key: AdamKey, n: int, p: int, master: int, g: int, m: int, v: int,
-              scalars) -> None:
-    """One fused Adam/AdamW update over n elements; scalars: f32 bits of keep, wd, 1−β1, β2,
-    1−β2, eps (config-wide), then sqrt(bc2), step_size (per slot)."""
-    addr, per = _plan(key)
-    ctx.launch(addr, -(-n // CHUNK), n * per, p, master, g, m, v, n, CHUNK, *scalars)
+def update(ctx, key, items, scalars) -> None:
+    """The fused update `key` (SgdKey / AdamKey) of the slots `items` — (n, pointers) each,
+    the pointers in the key's argument order (0 for an absent master or buffer) — that share
+    the f32 `scalars`: one slot by the one-tensor kernel, several by one launch of its table
+    form. Each element's arithmetic is the same either way."""
+    if len(items) == 1:
+        (n, ptrs), = items
+        addr, per = _plan(key)
+        ctx.launch(addr, -(-n // CHUNK), n * per, *ptrs, n, CHUNK, *scalars)
+        return
+    tkey = _tables.get(key)
+    if tkey is None:
+        tkey = _tables[key] = dataclasses.replace(key, table=True)
+    addr, per = _plan(tkey)
+    sizes = _pointer_sizes(key)
+    rows, total = [], 0
+    for n, ptrs in items:
+        total += n
+        for s in range(0, n, CHUNK):
+            rows.append((*(p + s * z if p else 0 for p, z in zip(ptrs, sizes)),
+                         min(CHUNK, n - s)))
+    table = _table(ctx, rows)
+    ctx.launch(addr, len(rows), total * per, table.addr, *scalars)
+
+
+def _pointer_sizes(key) -> tuple:
+    """Bytes per element behind each pointer of an update key (param, master, g, state...)."""
+    if isinstance(key, SgdKey):
+        return (_SIZE[key.param], 4, 4, _SIZE[key.state])
+    return (_SIZE[key.param], 4, 4, _SIZE[key.m], _SIZE[key.v])
 
 
 _plans: dict = {}
+_tables: dict = {}   # update key -> its table form
 
 
 def _plan(key) -> tuple[int, int]:

@@ -12,7 +12,6 @@ import math
 from dataclasses import InitVar, dataclass
 
 from ..codegen.optim import AdamKey
-from ..exec import optim as xo
 from ..exec.elementwise import f32_bits
 from .base import Optimizer, StateBuf
 from . import validate
@@ -80,11 +79,10 @@ class Adam(Optimizer):
         if key is None:
             key = slot.cache[decay] = AdamKey(self.DECOUPLED, slot.dtype, m.dtype.name,
                                               v.dtype.name, decay)
-        p = slot.raw
-        xo.adam_step(p.ctx, key, slot.numel, p.addr,
-                     0 if slot.master is None else slot.master.addr, grad.addr, m.addr, v.addr,
-                     prep + (f32_bits(math.sqrt(1.0 - c.beta2 ** t)),
-                             f32_bits(c.lr / (1.0 - c.beta1 ** t))))
+        return (key, (slot.raw.addr, 0 if slot.master is None else slot.master.addr,
+                      grad.addr, m.addr, v.addr),
+                prep + (f32_bits(math.sqrt(1.0 - c.beta2 ** t)),
+                        f32_bits(c.lr / (1.0 - c.beta1 ** t))))
 
 
 class AdamW(Adam):

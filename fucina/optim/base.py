@@ -25,6 +25,7 @@ from ..ag.tensor import Tensor
 from ..errors import (CheckpointConfigMismatch, ContextClosed, DTypeError, DuplicateParam,
                       GradShapeMismatch, NonContiguousParam, NotAVariable, UseAfterRelease)
 from ..exec import elementwise as ew
+from ..exec import optim as xo
 from ..exec.raw import RawTensor, contiguous_layout
 from . import frames
 from .clip import clip, grad_squared_norm, scale_grads
@@ -286,10 +287,17 @@ class Optimizer(abc.ABC):
         self._live("step")
         self._check_config()  # a value assigned to config since construction is checked here
         prep = self._prepare()
+        batch: dict = {}
         for slot in self.slots:
             g = self.grad_of(slot, "step")
-            if g is not None:
-                self._update(slot, g, prep)
+            if g is None:
+                continue
+            item = self._update(slot, g, prep)
+            if item is not None:   # (key, pointers, scalars): launched below with its likes
+                key, ptrs, scalars = item
+                batch.setdefault((slot.raw.ctx, key, scalars), []).append((slot.numel, ptrs))
+        for (ctx, key, scalars), items in batch.items():
+            xo.update(ctx, key, items, scalars)
 
     def _check_config(self) -> None:
         """Constructor-time validation of the config (override)."""
@@ -303,8 +311,10 @@ class Optimizer(abc.ABC):
         """The zero-initialised state buffers of a new slot, by record name."""
 
     @abc.abstractmethod
-    def _update(self, slot: Slot, grad: RawTensor, prep) -> None:
-        """One slot's update (usually one fused kernel launch)."""
+    def _update(self, slot: Slot, grad: RawTensor, prep):
+        """One slot's update: its launches, or — for a fused update kernel of
+        fucina.exec.optim — (key, pointers, scalars) for step to launch with every other slot
+        of the same key and scalars (one launch for all of them)."""
 
     def _header(self) -> list:
         """The pinned structural config fields: [(wire kind, value, label)] (lr never is)."""

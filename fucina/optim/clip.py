@@ -35,8 +35,7 @@ def grad_squared_norm(grads) -> float:
 
 def scale_grads(grads, factor: float) -> None:
     """g *= f32(factor) for every gradient (each leaf owns its accumulator: ag/engine.py)."""
-    for g in grads:
-        xo.scale_(g.ctx, g, factor)
+    xo.scale_many(grads, factor)
 
 
 def clip(grads, squared_norm: float, max_norm: float) -> float:

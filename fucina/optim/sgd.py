@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..codegen.optim import SgdKey
-from ..exec import optim as xo
 from ..errors import InvalidOptimizerConfig
 from ..exec.elementwise import f32_bits
 from .base import Optimizer, StateBuf
@@ -82,6 +81,5 @@ class SGD(Optimizer):
         if key is None:
             key = slot.cache[variant] = SgdKey(slot.dtype, buf.dtype.name if variant[0] else "none",
                                                variant[2], variant[0] and c.nesterov, first)
-        p = slot.raw
-        xo.sgd_step(p.ctx, key, slot.numel, p.addr, 0 if slot.master is None else slot.master.addr,
-                    grad.addr, buf.addr, prep)
+        return (key, (slot.raw.addr, 0 if slot.master is None else slot.master.addr, grad.addr,
+                      buf.addr), prep)
