@@ -236,13 +236,17 @@ def _pad(n, m):
     return -(-n // m) * m
 
 
-def _mm(b, n, nvec, K, a_at, b_at, init, fin, cols=None):
+def _mm(b, n, nvec, K, a_at, b_at, init, fin, cols=None, krange=None):
     """A micro-GEMM between the kernel's tiles: rows [0, n) in groups of MR (the last group
     may run past n: callers keep those rows in bounds and never use them), nvec W-wide output
     vectors in blocks of NB; acc = init(row, v), then acc = fma(a_at(row, k), b_at(k, v), acc)
     for k = 0 .. K − 1 in order, then fin(row, v, acc). One FMA chain per element in a fixed
     order, so the bits depend on the shapes alone. cols(i0), when given, bounds the columns a
-    group of rows from i0 needs: blocks past it are skipped (their outputs left as they were)."""
+    group of rows from i0 needs: blocks past it are skipped (their outputs left as they were).
+    krange(i0), when given, is the [lo, hi) of k outside which a_at is 0 for every row of the
+    group from i0 (the causal mask's zeros): the chain runs over it alone, so the diagonal
+    tiles skip the products of masked pairs (an FMA adding a zero product leaves a finite sum
+    as it was)."""
     W, R = host().f32_lanes, gemm.mr()
     vt = ir.VectorType(u.F32, W)
     for v0 in range(0, nvec, NB):
@@ -265,11 +269,17 @@ def _mm(b, n, nvec, K, a_at, b_at, init, fin, cols=None):
                     for a, x in zip(accs[r], bv):
                         b.store(vmath.fma(b, av, x, b.load(a)), a)
 
-            kmain = b.sub(K, b.srem(K, u.i64(gemm.UNROLL)))
-            with u.Loop(b, u.i64(0), kmain, gemm.UNROLL, "mk") as k:
+            ks, ke = u.i64(0), K
+            if krange is not None:
+                lo, hi = krange(i0)
+                ke = _clamp(b, hi, u.i64(0), K)
+                ks = _clamp(b, lo, u.i64(0), ke)
+            span = b.sub(ke, ks)
+            kmain = b.add(ks, b.sub(span, b.srem(span, u.i64(gemm.UNROLL))))
+            with u.Loop(b, ks, kmain, gemm.UNROLL, "mk") as k:
                 for s in range(gemm.UNROLL):
                     step(b.add(k, u.i64(s)))
-            with u.Loop(b, kmain, K, 1, "mkr") as k:
+            with u.Loop(b, kmain, ke, 1, "mkr") as k:
                 step(k)
             for r in range(R):
                 for a, v in zip(accs[r], vs):
@@ -343,14 +353,38 @@ class _Tiles:
         """Element offset of vector v of stack row i (rows of BK values, or of `width`)."""
         return self.b.add(self.b.mul(i, u.i64(width or self.BK)), u.i64(v * self.W))
 
-    def rows_into(self, acc, n, K, a_at, x, xrow):
-        """acc[r, :D] += Σ_k a_at(r, k)·x[xrow(k) + :D] for the stack rows r < n (k in order):
-        a product whose B rows are d values in memory (v, k, q or dout rows)."""
+    def rows_into(self, acc, n, K, a_at, x, xrow, krange=None):
+        """acc[r, :D] += Σ_k a_at(r, k)·x[xrow(k) + :D] for the stack rows r < n (k in order,
+        over krange's span: see _mm): a product whose B rows are d values in memory (v, k, q or
+        dout rows)."""
         b, W = self.b, self.W
         _mm(b, n, self.DV, K, a_at,
             lambda k, v: u.load(b, x, b.add(xrow(k), u.i64(v * W)), "f32", W, self.dmask[v]),
             lambda r, v: u.load(b, acc, self.at(r, v, self.DP), "f32", W),
-            lambda r, v, s: u.store(b, s, acc, self.at(r, v, self.DP), "f32"))
+            lambda r, v, s: u.store(b, s, acc, self.at(r, v, self.DP), "f32"), krange=krange)
+
+    def keys_of(self, pos, k0, nk, causal, window):
+        """krange(i0) of _mm over a key tile's columns for the rows from i0: from the first
+        row's lo to the last row's hi (rows past the tile: a wider, safe span)."""
+        R = gemm.mr()
+        return lambda i0: (self.bounds(pos(i0), k0, nk, causal, window)[0],
+                           self.bounds(pos(self.b.add(i0, u.i64(R - 1))), k0, nk, causal,
+                                       window)[1])
+
+    def queries_of(self, qpos0, k0, nq, causal, window):
+        """krange(j0) of _mm over a query tile (queries at absolute positions qpos0 + i) for
+        the keys k0 + j0 .. k0 + j0 + MR − 1: the queries that may attend one of them (causal:
+        from the first key's position on; a window w: below the last key's position + w, as
+        self.bounds masks them)."""
+        b, R = self.b, gemm.mr()
+
+        def krange(j0):
+            first = b.sub(b.add(k0, j0), qpos0)
+            lo = b.select(causal, first, u.i64(0))
+            whi = b.add(b.add(first, u.i64(R)), b.sub(window, u.i64(1)))
+            hi = b.select(b.icmp_signed(">", window, u.i64(0)), whi, nq)
+            return lo, hi
+        return krange
 
     def needed(self, pos, k0, nk, causal, window):
         """cols(i0) of _mm for a score tile: the keys the rows from i0 (at absolute positions
@@ -434,7 +468,8 @@ def _fwd(key, b, args, c0, c1):
                 lambda j, vv: u.load(b, v, b.add(vrow(j), u.i64(vv * W)), "f32", W, t.dmask[vv]),
                 lambda i, vv: b.fmul(u.load(b, o, t.at(i, vv, DP), "f32", W),
                                      u.splat(b, u.load(b, arow, i, "f32"), W)),
-                lambda i, vv, acc: u.store(b, acc, o, t.at(i, vv, DP), "f32"))
+                lambda i, vv, acc: u.store(b, acc, o, t.at(i, vv, DP), "f32"),
+                krange=t.keys_of(pos, k0, nk, causal, window))
         with u.Loop(b, u.i64(0), nq, 1, "r") as i:
             m, l = u.load(b, mrow, i, "f32"), u.load(b, lrow, i, "f32")
             some = b.fcmp_ordered(">", l, zero1)
@@ -512,9 +547,10 @@ def _bwd(key, b, args, c0, c1):
                     map_pass(b, lo, hi, W, lambda col, m: u.store(
                         b, vmath.exp(b, b.fsub(z(col, m), ls)), sb, col, "f32", m))
                     _zero_outside(b, sb, lo, hi, u.i64(BK), W)
+                queries = t.queries_of(pos(u.i64(0)), k0, nq, causal, window)
                 with b.if_then(kv):    # dv += pᵀ·dout
                     t.rows_into(dva, nk, nq, lambda j, i: u.load(b, p, t.col(i, j), "f32"),
-                                g, rowq)
+                                g, rowq, queries)
                 t.scores(ds, g, rowq, nq, t.panel(vT, kvh, k0), kmask)
                 with u.Loop(b, u.i64(0), nq, 1, "r") as i:
                     dr = u.splat(b, u.load(b, Dr, b.add(b.mul(h, S), b.add(q0, i)), "f32"), W)
@@ -527,7 +563,7 @@ def _bwd(key, b, args, c0, c1):
                         u.store(b, x, gb, col, "f32")
                 with b.if_then(kv):    # dk += dsᵀ·q
                     t.rows_into(dka, nk, nq, lambda j, i: u.load(b, ds, t.col(i, j), "f32"),
-                                q, rowq)
+                                q, rowq, queries)
                 # dq[part] += ds·k, rows past nq masked off
                 dqrow = lambda i: b.add(b.mul(b.add(q0, i), HD), hd)  # noqa: E731
 
@@ -542,7 +578,8 @@ def _bwd(key, b, args, c0, c1):
                     lambda i, vv: u.load(b, dqh, b.add(dqrow(i), u.i64(vv * W)), "f32", W,
                                          dq_mask(i, vv)),
                     lambda i, vv, acc: u.store(b, acc, dqh, b.add(dqrow(i), u.i64(vv * W)),
-                                               "f32", dq_mask(i, vv)))
+                                               "f32", dq_mask(i, vv)),
+                    krange=t.keys_of(pos, k0, nk, causal, window))
             with b.if_then(kv):
                 dst = b.mul(gi, b.mul(T, KD))
                 with u.Loop(b, u.i64(0), nk, 1, "w") as j:

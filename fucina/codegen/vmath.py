@@ -42,6 +42,9 @@ from fractions import Fraction
 import numpy as np
 from llvmlite import ir
 
+from .irutil import intrinsic
+from .target import host
+
 F32 = ir.FloatType()
 I32 = ir.IntType(32)
 
@@ -235,11 +238,25 @@ def _exp_core(b, x):
     """e^x for x in [-104, 89] (x may be NaN); correct overflow, denormals and underflow."""
     n, r = _exp_reduce(b, x)
     y = b.fadd(_expm1_poly(b, r), _c(x, 1.0))
+    if _scalef(x):
+        # y·2^n rounded once by vscalefps (n as a float: the reduction's own n·ln2 multiple)
+        nf = b.fsub(fma(b, x, _c(x, _LOG2E), _c(x, _MAGIC)), _c(x, _MAGIC))
+        return intrinsic(b, "llvm.x86.avx512.mask.scalef.ps.512", x.type,
+                         [y, nf, y, ir.Constant(ir.IntType(16), -1), ir.Constant(ir.IntType(32), 4)],
+                         types=[])
     # 2^n in two exact steps so n in [-150, 128] is fine: y*2^n1 stays normal, the second
     # multiply rounds once (to a denormal, 0 or inf as needed).
     n1 = b.ashr(n, _ci(x, 1))
     n2 = b.sub(n, n1)
     return b.fmul(b.fmul(y, _pow2i(b, n1)), _pow2i(b, n2))
+
+
+def _scalef(x) -> bool:
+    """x is a 16-lane f32 vector on an AVX-512 host: 2^n is applied by vscalefps, one
+    instruction for the seven of the exponent-field route, and the same value (both round
+    y·2^n once, under the same rounding mode)."""
+    return (isinstance(x.type, ir.VectorType) and x.type.count == 16
+            and x.type.element == ir.FloatType() and host().vector_bits == 512)
 
 
 def exp(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
