@@ -58,7 +58,7 @@ def _fucina(path, targets, threads, compute="f32"):
     ctx = fu.ExecContext(threads=threads, cache_bytes=TRAIN_CACHE_BYTES)   # as fucina finetune
     frozen = {"compute": "bf16"} if compute == "bf16" else {"widen_frozen": True}
     model = Model.from_gguf(ctx, path, **frozen)
-    tr = Trainer(model, targets, fu.lora.LoraConfig(8, 16), 42)
+    tr = Trainer(model, targets, fu.lora.LoraConfig(RANK, 16), 42)
     opt = fu.optim.AdamW(lr=1e-3, weight_decay=0.0)
     tr.register_all_params(opt)
 
@@ -80,7 +80,7 @@ def _hf(path, targets):
     from transformers import AutoModelForCausalLM
     d, name = os.path.split(path)
     base = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, lora_dropout=0.0,
                                             target_modules=[HF[t] for t in targets]))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
@@ -99,12 +99,23 @@ def _hf(path, targets):
     return step
 
 
+RANK = 8   # the LoRA rank of every row
+
+
 def _flops(cfg, targets, seq) -> float:
+    """The step's matrix work: the frozen matrices forward and dx-only backward, the causal
+    attention (forward, backward twice that), and each adapter's six rank-r products
+    (x·Aᵀ, ·Bᵀ; dxa = g·B, dB, dA, dx += dxa·A: 2·seq·r·(3·in + 3·out))."""
     per_layer = cfg.hidden * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden \
         + 3 * cfg.hidden * cfg.ffn
     frozen = cfg.num_layers * per_layer + cfg.vocab * cfg.hidden
     attn = cfg.num_layers * 2 * 2 * seq * seq * cfg.q_dim / 2 * 3
-    return float(2 * 2 * frozen * seq + attn)
+    dims = {"q": (cfg.hidden, cfg.q_dim), "k": (cfg.hidden, cfg.kv_dim),
+            "v": (cfg.hidden, cfg.kv_dim), "o": (cfg.q_dim, cfg.hidden),
+            "gate": (cfg.hidden, cfg.ffn), "up": (cfg.hidden, cfg.ffn),
+            "down": (cfg.ffn, cfg.hidden)}
+    adapters = cfg.num_layers * sum(2 * seq * RANK * 3 * sum(dims[t]) for t in targets)
+    return float(2 * 2 * frozen * seq + attn + adapters)
 
 
 RSS_CHILD = r"""
