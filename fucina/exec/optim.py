@@ -84,7 +84,7 @@ def sum_squares(ctx, x: RawTensor) -> float:
 
 def scale_many(xs, factor: float) -> None:
     """x *= f32(factor) in place for every contiguous f32 x (any contexts): one launch per
-    context over a table of chunks, the bits of scale_."""
+    context over a table of chunks (one rounded multiply per element, as the elementwise mul)."""
     groups: dict = {}
     for x in xs:
         groups.setdefault(x.ctx, []).append(x)
