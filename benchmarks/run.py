@@ -127,12 +127,14 @@ def _split(text: str) -> tuple[str, list[tuple[str, str]]]:
     return parts[0], [(p.split("\n", 1)[0], "## " + p) for p in parts[1:]]
 
 
-def merge(old: str, sections, date: str) -> str:
-    """The old file with the re-measured sections replaced (new ones appended), the date of each
-    re-measurement noted in its heading, and the met/missed totals recounted over all tables."""
+def merge(old: str, sections, date: str, cpu: str = "") -> str:
+    """The old file with the re-measured sections replaced (new ones appended), the date (and
+    the LLVM target: sessions alternate between machines) of each re-measurement noted in its
+    heading, and the met/missed totals recounted over all tables."""
     head, olds = _split(old)
-    fresh = {name: f"## {name} (re-measured {date})\n\n{c.table(rs)}\n" for name, rs in sections
-             if name.startswith("bench_")}
+    on = f", LLVM target {cpu}" if cpu else ""
+    fresh = {name: f"## {name} (re-measured {date}{on})\n\n{c.table(rs)}\n"
+             for name, rs in sections if name.startswith("bench_")}
     out, seen = [], set()
     for name, body in olds:
         key = name.split(" (re-measured")[0]
@@ -210,7 +212,8 @@ def main(argv=None) -> int:
     print(text)
     out = args.out or (None if args.quick else str(ROOT / "BENCHMARKS.md"))
     if out and args.merge and Path(out).exists():
-        text = merge(Path(out).read_text(encoding="utf-8"), sections, info["date"])
+        text = merge(Path(out).read_text(encoding="utf-8"), sections, info["date"],
+                     info["machine"].get("llvm_cpu", ""))
     if out:
         Path(out).write_text(text + "\n", encoding="utf-8")
         print(f"benchmarks: wrote {out}", file=sys.stderr)
