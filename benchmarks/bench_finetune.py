@@ -200,7 +200,9 @@ def _rows(path, label, threads, quick, seqs, rss, peak) -> list[dict]:
                     f"({peak / 1e9:.0f} GFLOP/s, same process); first losses {fl[0]:.4f} (fucina)"
                     + (f" / {hl[0]:.4f} (transformers)" if hl else "")
                     + (f"; peak RSS {rss_f:.0f} MB" if rss_f else "")
-                    + (f" vs {rss_h:.0f} MB (transformers + peft)" if rss_h else ""))
+                    + (f" vs {rss_h:.0f} MB (transformers + peft)" if rss_h else "")
+                    + (f"; {c.bound_note(hf_s, _flops(cfg, targets, seq), peak, 'peft')}"
+                       if hf_s else ""))
             met = (hf_s / fu_s >= 1.6) if hf_s else None
             target = "≥ 1.6× transformers + peft" if hf_s else ""
             if rss and hf_s:

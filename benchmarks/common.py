@@ -447,6 +447,93 @@ def gemm_rate(threads: int) -> float:
     return 2 * 1024 ** 3 / t["mm"].median
 
 
+FMA_CHAINS = 12          # independent accumulators: more than the FMA latency x pipes (4 x 2)
+FMA_ITERS = 1 << 22      # iterations of the chains per chunk (~0.2 s on one core)
+
+
+def _fma_ir(lanes: int) -> str:
+    """A kernel whose chunks each run FMA_CHAINS independent vector FMA chains a = a·x + y
+    (x, y: f32 bits at args[2], args[3]) for args[1] iterations and store their sum at
+    args[0] + 64·chunk (so nothing is optimised away)."""
+    v = f"<{lanes} x float>"
+    def start(i):   # distinct starting values: identical chains would be merged
+        return "<" + ", ".join([f"float {i}.0"] * lanes) + ">"
+    chains = "\n".join(f"  %a{i} = phi {v} [ {start(i)}, %entry ], [ %n{i}, %loop ]"
+                       for i in range(FMA_CHAINS)) + "\n" + "\n".join(
+        f"  %n{i} = call {v} @llvm.fma.v{lanes}f32({v} %a{i}, {v} %x, {v} %y)"
+        for i in range(FMA_CHAINS))
+    splats = "\n".join(   # x, y from f32 bits at args[2], args[3]: nothing to fold
+        f"  %p{n} = getelementptr i64, ptr %args, i64 {i}\n  %w{n} = load i64, ptr %p{n}\n"
+        f"  %h{n} = trunc i64 %w{n} to i32\n  %f{n} = bitcast i32 %h{n} to float\n"
+        f"  %e{n} = insertelement {v} undef, float %f{n}, i32 0\n"
+        f"  %{n} = shufflevector {v} %e{n}, {v} undef, <{lanes} x i32> zeroinitializer"
+        for n, i in (("x", 2), ("y", 3)))
+    adds = "\n".join(f"  %s{i} = fadd {v} %s{i - 1}, %n{i}" for i in range(1, FMA_CHAINS))
+    return f"""
+declare {v} @llvm.fma.v{lanes}f32({v}, {v}, {v})
+define void @fma_peak(ptr noalias %args, i64 %c0, i64 %c1) nounwind {{
+entry:
+  %out = load ptr, ptr %args
+  %p1 = getelementptr i64, ptr %args, i64 1
+  %iters = load i64, ptr %p1
+{splats}
+  br label %loop
+loop:
+  %k = phi i64 [ 0, %entry ], [ %k1, %loop ]
+{chains}
+  %k1 = add i64 %k, 1
+  %more = icmp slt i64 %k1, %iters
+  br i1 %more, label %loop, label %done
+done:
+  %s0 = fadd {v} %n0, zeroinitializer
+{adds}
+  %off = mul i64 %c0, 16
+  %dst = getelementptr float, ptr %out, i64 %off
+  store {v} %s{FMA_CHAINS - 1}, ptr %dst, align 4
+  ret void
+}}
+"""
+
+
+_fma_addr = None
+_F32_ONE = 0x3F800000    # a·1 + 1: no overflow in FMA_ITERS steps, no denormals
+
+
+def core_peak(threads: int) -> float:
+    """The cores' f32 FMA peak (FLOP/s) at `threads`: a generated kernel of FMA_CHAINS
+    independent chains of the widest vector FMA (no loads), one chunk per thread, best of a
+    few runs. The issue-18 targets speak of "the core's f32 peak"; our 1024³ GEMM rate
+    (gemm_rate) is measured against it."""
+    import numpy as np
+
+    import fucina as fu
+    from fucina.codegen import jit
+    from fucina.codegen.target import host
+    global _fma_addr
+    lanes = host().f32_lanes
+    if _fma_addr is None:
+        obj = jit.compile_object(_fma_ir(lanes))
+        _fma_addr = jit.loader().load_object(obj, ["fma_peak"])["fma_peak"]
+    ctx = fu.ExecContext(threads=threads)
+    out = ctx.from_numpy(np.zeros(16 * threads, np.float32))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        ctx.launch(_fma_addr, threads, 1 << 40, out.addr, FMA_ITERS, _F32_ONE, _F32_ONE)
+        best = min(best, time.perf_counter() - t0)
+    ctx.close()
+    return threads * FMA_ITERS * FMA_CHAINS * lanes * 2 / best
+
+
+def bound_note(their_s: float, flops: float, rate: float, who: str) -> str:
+    """The most a step of `flops` matrix work can gain on their `their_s` on this host: a step
+    of nothing but that work at our 1024³ GEMM `rate` (FLOP/s). A ratio target above it
+    cannot be met here, whatever the rest of the step costs."""
+    floor = flops / rate
+    return (f"bound on this host: {who} {their_s:.3g} s / (matrix work at our 1024³ rate "
+            f"{floor:.3g} s) = {their_s / floor:.2f}×")
+
+
 GEMM_FAMILIES = ("gemm_pack", "gemm_tile", "gemm_tile_direct", "gemm_small")
 
 
