@@ -100,12 +100,13 @@ def intrinsic(b: ir.IRBuilder, name: str, ret, operands, types=None):
     return b.call(fn, operands)
 
 
-def prefetch(b, base, index, dtype, write=False):
+def prefetch(b, base, index, dtype, write=False, locality=3):
     """Prefetch the cache line holding base[index] into all cache levels (for a read, or with
-    write intent: the line comes owned, so the stores that follow need no second request)."""
+    write intent: the line comes owned, so the stores that follow need no second request);
+    locality < 3 asks for the outer levels only (prefetcht1/t2: L2 on AMD)."""
     p = b.gep(base, [index], source_etype=STORAGE[dtype])
     i32 = lambda v: ir.Constant(I32, v)  # noqa: E731
-    intrinsic(b, "llvm.prefetch", VOID, [p, i32(int(write)), i32(3), i32(1)], types=[PTR])
+    intrinsic(b, "llvm.prefetch", VOID, [p, i32(int(write)), i32(locality), i32(1)], types=[PTR])
 
 
 def _mangle(t) -> str:
