@@ -14,6 +14,7 @@ import pytest
 import fucina as fu
 from conftest import assert_bitwise
 from fucina.codegen.quant import FORMATS
+from fucina.ag import engine
 from fucina.exec import quant as xq
 from test_quant_matmul import blocks_for, check_close, qweight, rnd
 
@@ -155,6 +156,26 @@ def test_for_matvec_leaves_other_tensors(ctx1):
     assert q8.for_matvec() is q8
     f = ctx1.tensor(rnd(4, 64), ("o", "i"))
     assert f.for_matvec() is f
+
+
+def test_repeated_dots_keep_their_bits_per_layout(ctx1):
+    """A dot remembers what the tags and layouts decide (ag/quant._dots): calls after the
+    first give the first call's bits for a contiguous row, an offset slice and an x stored
+    [K, 1] (copied, not viewed), and the remembered entry takes no other layout."""
+    q, wd = qweight(ctx1, 300, 576, "q4_1")
+    wide = ctx1.tensor(rnd(2, 1000), ("s", "i"))
+    xs = [ctx1.tensor(rnd(1, 576), ("s", "i")), wide.narrow("i", 200, 576),
+          ctx1.tensor(np.ascontiguousarray(rnd(576, 1)), ("i", "s"))]
+    first = [x.dot(q, "i").numpy() for x in xs]
+    for _ in range(3):
+        for x, want in zip(xs, first):
+            assert_bitwise(x.dot(q, "i").numpy(), want)
+    check_close(first[1], wide.numpy()[:, 200:776], wd)
+    with pytest.raises(fu.FucinaError, match="dot"):      # same tags, a wrong size
+        ctx1.tensor(rnd(1, 577), ("s", "i")).dot(q, "i")
+    forged = fu.Tensor(q._raw, q.tags, engine.Leaf(q.shape))   # a weight that requires grad
+    with pytest.raises(fu.GradientQuantizedMatmulUnsupported, match="frozen"):
+        ctx1.variable(rnd(1, 576), ("s", "i")).dot(forged, "i")
 
 
 def test_bad_input(ctx1):
