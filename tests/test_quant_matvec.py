@@ -93,17 +93,17 @@ def test_decode_step_layouts(ctx1):
     check_close(col.dot(q, "i").numpy(), col.numpy().T, wd)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"] + KQUANT)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
-    """The gemv's 16-value table decode of q4_0 / q4_1 / q4_k, its 32-value tables of q5_0 /
-    q5_1 and its staged scales (q4_0 / q4_1 / q5_0 / q5_1 / q8_0) multiply exactly the
-    weights the block decoders give: with and without them the kernel agrees bit for bit, and
-    so does the staged kernel that prefetches block by block (spread, long rows). K = 2400
-    spans several staging segments."""
+    """The gemv's 16-value table decode of q4_0 / q4_1, its 32-value tables of q5_0 / q5_1,
+    its register decoders of the K-quants (codegen/quant_kgemv.py) and its staged scales
+    (q4_0 / q4_1 / q5_0 / q5_1 / q8_0) multiply exactly the weights the block decoders give:
+    with and without them the kernel agrees bit for bit, and so does the staged kernel that
+    prefetches block by block (spread, long rows). K = 2400 spans several staging segments."""
     from fucina.codegen import kernels
     from fucina.codegen.quant_gemm import QuantGemvKey
-    N, K = 70, 768 if fmt == "q4_k" else 2400
+    N, K = 70, 1280 if fmt in KQUANT else 2400
     q, _ = qweight(ctx1, N, K, fmt)
     x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
     outs = []
@@ -115,6 +115,40 @@ def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
         outs.append(fu.Tensor(y, ("s", "o")).numpy())
     for other in outs[1:]:
         assert_bitwise(outs[0], other)
+
+
+# the f16 scale fields of each K-quant block (d, and dmin where there is one)
+KQ_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+@pytest.mark.parametrize("fmt", KQUANT)
+def test_kquant_register_decode_on_any_bytes(ctx1, fmt):
+    """Blocks of random bytes (every code, sub-scale, min and high bit pattern; finite f16
+    scales of magnitudes 1e-7 .. 1e3, subnormals included): the gemv's register decoders
+    give the block decoders' bits for 1 to 4 rows of x, their item widths and odd N (an
+    item past N's edge)."""
+    from fucina.codegen import kernels
+    from fucina.codegen.quant_gemm import QuantGemvKey
+    rng = np.random.default_rng(7)
+    bs, nbytes = FORMATS[fmt]
+    N, K = 13, 1024
+    nblk = N * K // bs
+    raw = rng.integers(0, 256, (nblk, nbytes), dtype=np.uint8)
+    for off in KQ_HALVES[fmt]:
+        h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
+        raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
+    q = xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt)
+    for rows in (1, 2, 3, 4):
+        cols = xq.GEMV_COLS[rows]
+        x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
+        outs = []
+        for table in (True, False):
+            y = ctx1.tensor(np.zeros((rows, N), np.float32), ("s", "o"))._raw
+            ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, cols, table)), 1, 0, x.addr,
+                        q.addr, y.addr, N, K, K, -(-N // cols))
+            outs.append(fu.Tensor(y, ("s", "o")).numpy())
+        assert np.isfinite(outs[1]).all()
+        assert_bitwise(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])

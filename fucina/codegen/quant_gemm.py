@@ -3,9 +3,11 @@ y[M, N] = x[M, K] · dequant(w[N, K])ᵀ, the fused get_rows (gather + dequantiz
 copies of a quantized concat.
 
 Every block is decoded by the very decoder of fucina.codegen.quant (ggml's dequantize_row_*
-arithmetic, vectorised), into a small stack buffer (L1, or registers once LLVM promotes it):
-the f32 weights are never materialised in memory as a whole. So each weight the matmul
-multiplies is bitwise the value `w.to("f32")` holds, and the products accumulate in f32.
+arithmetic, vectorised), into a small stack buffer (L1, or registers once LLVM promotes it),
+or in the gemv by table and register decoders that compute each weight with that same
+arithmetic (tested bitwise against the block decoders): the f32 weights are never
+materialised in memory as a whole. So each weight the matmul multiplies is bitwise the value
+`w.to("f32")` holds, and the products accumulate in f32.
 
   quant_gemv  few rows of x (1..4 per launch): one item = `cols` rows of w (outputs
               n .. n+cols-1). For each block of k in increasing order the item decodes the
@@ -13,7 +15,11 @@ multiplies is bitwise the value `w.to("f32")` holds, and the products accumulate
               row of x (the decoded block never leaves registers). q4 blocks decode through
               16-value tables, q5 through 32-value ones; the 32-blocks' scales are converted
               a segment ahead (staged), and q4_0 / q4_1 weights may come in an interleaved
-              layout (exec.quant.interleave) that needs no byte widening. Two accumulators per
+              layout (exec.quant.interleave) that needs no byte widening. The K-quants
+              (q2_k .. q6_k) decode by register decoders of their own (quant_kgemv: bytes
+              transposed by a byte permute, scales broadcast from a stack buffer, tables of
+              scale·code where they fit), every row of the item at once, 16 weights at a
+              time interleaved across the rows. Two accumulators per
               output: lane t of accumulator s sums k = s*W + t + 2W*i over i in increasing
               order; they add, then a fixed halving tree folds the lanes. The order of every
               sum is fixed by K alone (not by M: a row of a batch is bitwise the row alone).
@@ -37,11 +43,12 @@ from functools import partial
 from llvmlite import ir
 
 from . import irutil as u
+from . import quant_kgemv as kq
 from .emit import lane_tree
 from .gemm import KC, emit_tile, lanes, transpose
 from .kernels import KernelKey, register
 from .quant import DECODERS as DECODERS
-from .quant import FORMATS, _half, scales_mins_k4
+from .quant import FORMATS
 from .rows import fadd
 
 
@@ -87,32 +94,7 @@ def _table(b, codes, scale, offset=None):
 # ---------------------------------------------------------------------------------------------
 # few rows of x: decode each block of w once and use it against every row
 
-LUT_FORMATS = ("q4_0", "q4_1", "q4_k")
-
-
-def _lut_q4_k(b, src):
-    """A q4_k super-block as 16 vectors of 16 (values 0..255) through one 16-value table per
-    32-value sub-block, built as its decoder computes each weight: float(q)·(d·sc) − dmin·m."""
-    f16 = ir.VectorType(u.F32, 16)
-    i16 = ir.VectorType(u.I32, 16)
-    iota = ir.Constant(f16, [float(q) for q in range(16)])
-    dls, mls = scales_mins_k4(b, src, 4, _half(b, src, 0), _half(b, src, 2))
-    out = []
-    for c in range(4):
-        qs = []
-        for h in range(2):        # the 32 bytes of sub-blocks 2c and 2c + 1, 16 at a time
-            v = b.load(b.gep(src, [u.i64(16 + 32 * c + 16 * h)], source_etype=u.I8),
-                       typ=ir.VectorType(u.I8, 16))
-            v.align = 1
-            qs.append(b.zext(v, i16))
-        for p in range(2):
-            dl, ml = (b.extract_element(v, u.i64(2 * c + p)) for v in (dls, mls))
-            table = _table(b, iota, u.splat(b, dl, 16), b.fneg(u.splat(b, ml, 16)))
-            for q in qs:
-                idx = q if p == 0 else b.lshr(q, u.const(i16, 4))
-                out.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16, [table, idx],
-                                       types=[]))
-    return out
+LUT_FORMATS = ("q4_0", "q4_1")   # the K-quants decode by quant_kgemv
 
 
 def _lut_block(b, src, fmt, dm=None):
@@ -120,8 +102,6 @@ def _lut_block(b, src, fmt, dm=None):
     a table of the 16 values a nibble can take, built with the decoder's own arithmetic
     (float(q − 8) · d, or float(q) · d + m): each weight is bitwise what the decoder gives,
     for one permute per 16 weights instead of a convert, a multiply and an add."""
-    if fmt == "q4_k":
-        return _lut_q4_k(b, src)
     f16 = ir.VectorType(u.F32, 16)
     i16 = ir.VectorType(u.I32, 16)
     if fmt in ("q5_0", "q5_1"):
@@ -344,6 +324,26 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
                   lambda src: spread(src, nbytes), short=True)
 
 
+def _kquant_blocks(b, key, w, rows, row_bytes, nblk, ahead, kbufs, use):
+    """The K-quant super-blocks of k in increasing order, each decoded in registers
+    (fucina.codegen.quant_kgemv) for every row of w of the item at once, its parts
+    interleaved across the rows: 2·len(rows) accumulator chains in flight, not 2 (one row at
+    a time, the FMA latency bounds a chain pair at 2 cycles per 16 weights). Each row's
+    vectors still reach its accumulators in increasing k: the bits are the block decoders'."""
+    _, nbytes = FORMATS[key.fmt]
+    with u.Loop(b, u.i64(0), nblk, 1, "kb") as kb:
+        decs = []
+        for c, buf in enumerate(kbufs):
+            src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
+            _prefetch_ahead(b, src, ahead, range(0, nbytes, 64))
+            decs.append(kq.prepare(b, key.fmt, src, buf))
+        kq.settle(b, kbufs)
+        n = 16 // kq.PARTS
+        for p in range(kq.PARTS):
+            for c, dec in enumerate(decs):
+                use(c, kb, dec.part(p), p * n)
+
+
 @register
 @dataclass(frozen=True)
 class QuantGemvKey(KernelKey):
@@ -358,7 +358,8 @@ class QuantGemvKey(KernelKey):
     fmt: str
     rows: int
     cols: int
-    table: bool = True   # q4_0 / q4_1 / q4_k decoded through 16-value tables (_lut_block)
+    table: bool = True   # q4_0 / q4_1 / q5_0 / q5_1 through tables (_lut_block), K-quants by
+                         # the register decoders (quant_kgemv); False: the block decoders
     staged: bool = True  # scales converted per segment ahead (q4_0 / q4_1 with tables, q8_0)
     interleaved: bool = False   # w in the interleaved layout (q4_0 / q4_1; _interleaved_blocks)
     spread: bool = False        # prefetch as the item goes, not in one burst (long rows)
@@ -389,6 +390,8 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
               and (lut or key.fmt not in LUT_FORMATS))
     sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
             _buffer(b, CN * (SEG_GROUPS * 8 + SEGMENT * 2)) if inter else None)
+    kregs = key.table and key.fmt in kq.FORMATS and W == 16
+    kbufs = [_buffer(b, kq.SCRATCH) for _ in range(CN)] if kregs else None
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
@@ -411,9 +414,9 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                 decoded = [u.load(b, bufs[c], u.i64(v * W), "f32", W) for v in range(bs // W)]
             use(c, kb, decoded)
 
-        def use(c, kb, decoded):   # the FMAs of one decoded block of row c against every row of x
+        def use(c, kb, decoded, v0=0):   # FMAs of decoded vectors v0.. of a block of row c
             k0 = b.mul(kb, u.i64(bs))
-            for v, wv in enumerate(decoded):
+            for v, wv in enumerate(decoded, v0):
                 for r in range(RM):
                     xoff = b.add(b.mul(u.i64(r), s_xm), b.add(k0, u.i64(v * W)))
                     xv = u.load(b, x, xoff, "f32", W)
@@ -424,6 +427,8 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
             _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block)
         elif staged:
             _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block)
+        elif kregs:
+            _kquant_blocks(b, key, w, rows, row_bytes, nblk, ahead, kbufs, use)
         elif RM * bs // W <= X_REGS:   # x's slice of a block fits in registers: loaded once per block
             with u.Loop(b, u.i64(0), nblk, 1, "kb") as kb:
                 for c in range(CN):

@@ -1,0 +1,273 @@
+"""The gemv's register decoders of the K-quant super-blocks (q2_k, q3_k, q4_k, q5_k, q6_k):
+a block's 256 weights as 16 vectors of 16 lanes (vector v holds weights 16v .. 16v + 15),
+never stored, each lane bitwise the value the block decoder of fucina.codegen.quant gives.
+
+Why not the block decoders themselves: they shift and mask each 16-byte group after a byte
+widening, convert, multiply and subtract, and take each group's scale out of a vector (two
+shuffles a group); on Zen 4 that is ~11 vector instructions per 16 weights. Here:
+
+- The quant bytes are transposed once per 64 bytes by a byte permute (vpermb, VBMI): dword t
+  of the result holds bytes t, 16 + t, 32 + t, 48 + t, so every lane holds the bits of its
+  own weight for four groups of 16, and a group's codes are one shift away (`_codes`).
+- The scales are computed as the decoder computes them, all groups at once, and stored to a
+  small stack buffer behind a compiler barrier: their broadcasts are loads (folded into the
+  arithmetic), not register shuffles.
+- Codes become weights through 16-value tables built per group with the decoder's own
+  arithmetic (fucina.codegen.quant_gemm._table's exactness argument): q4_k one table per
+  32-value sub-block, q5_k a 32-value one (two registers), q2_k four groups of 16 in one
+  table (4 values each), q3_k one group's 8 values (twice). q6_k's 64 values do not fit a
+  table: its 6-bit code is assembled at the top of a dword, sign-shifted down (code − 32)
+  and converted, then multiplied by its group's scale, as the decoder does.
+
+Each decoder is `Decoder(b, src, scratch)`; `part(p)` emits the vectors of part p (PARTS
+parts of 16 // PARTS vectors, in increasing order) so the gemv can interleave the parts of
+several rows of w.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from . import irutil as u
+from .quant import _bytes, _half, _q3_scales, _sbytes, scales_mins_k4
+
+F16V = ir.VectorType(u.F32, 16)
+I16V = ir.VectorType(u.I32, 16)
+B64 = ir.VectorType(u.I8, 64)
+PARTS = 16           # parts of a block the gemv interleaves across rows of w
+SCRATCH = 32         # floats of stack buffer a decoder needs (scales and negated mins)
+FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+
+
+def _load_bytes(b, src, off, n):
+    """n (32 or 64) bytes at src + off as 64 byte lanes (32 bytes: repeated twice)."""
+    v = b.load(b.gep(src, [u.i64(off)], source_etype=u.I8), typ=ir.VectorType(u.I8, n))
+    v.align = 1
+    if n == 64:
+        return v
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, 64),
+                                              [k % 32 for k in range(64)]))
+
+
+def _transposed(b, src, off, n=64):
+    """The n bytes at src + off with dword t = bytes (t, 16 + t, 32 + t, 48 + t) (32 bytes:
+    (t, 16 + t, t, 16 + t)): one vpermb; every lane then holds its own weight's bits."""
+    idx = ir.Constant(B64, [16 * (k % 4) + k // 4 for k in range(64)])
+    v = u.intrinsic(b, "llvm.x86.avx512.permvar.qi.512", B64, [_load_bytes(b, src, off, n), idx],
+                    types=[])
+    return b.bitcast(v, I16V)
+
+
+def _codes(b, v, shift):
+    """v moved right by `shift` bits (left when negative): a field's bits to a lane's bottom."""
+    if shift > 0:
+        return b.lshr(v, u.const(I16V, shift))
+    if shift < 0:
+        return b.shl(v, u.const(I16V, -shift))
+    return v
+
+
+def _merge(b, low, high, mask):
+    """Bits of `low` where mask is set, of `high` elsewhere: one vpternlogd, called as the
+    intrinsic (as and/or, LLVM splits it back into an and plus a ternlog around the shifts)."""
+    imm = sum(1 << (4 * a + 2 * h + m) for a in (0, 1) for h in (0, 1) for m in (0, 1)
+              if (a if m else h))
+    return u.intrinsic(b, "llvm.x86.avx512.pternlog.d.512", I16V,
+                       [low, high, u.const(I16V, mask), ir.Constant(u.I32, imm)], types=[])
+
+
+def _permute(b, table, idx):
+    """table[idx & 15] per lane (vpermps: it reads an index's low 4 bits only)."""
+    return u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", F16V, [table, idx], types=[])
+
+
+def _permute2(b, lo, hi, idx):
+    """(lo ++ hi)[idx & 31] per lane (vpermi2ps: it reads an index's low 5 bits only)."""
+    return u.intrinsic(b, "llvm.x86.avx512.vpermi2var.ps.512", F16V, [lo, idx, hi], types=[])
+
+
+def _barrier(b, buffers):
+    """A compiler memory barrier that sees the buffers (so they stay memory, not registers):
+    the scales just stored are reloaded as broadcasts from memory (folded into the
+    arithmetic), not taken from the vectors they were stored from (register shuffles)."""
+    ptr = [buf.type for buf in buffers]
+    b.asm(ir.FunctionType(u.VOID, ptr), "", ",".join(["r"] * len(buffers) + ["~{memory}"]),
+          list(buffers), True)
+
+
+def _iota(values):
+    return ir.Constant(F16V, [float(v) for v in values])
+
+
+class _Decoder:
+    """Common part: the stack buffer of a block's scales (floats 0-15) and negated mins
+    (16-31), and their broadcasts from it."""
+
+    def __init__(self, b, src, scratch):
+        self.b, self.src, self.scratch = b, src, scratch
+
+    def _store(self, v, at):
+        st = self.b.store(v, self.b.gep(self.scratch, [u.i64(at)], source_etype=u.F32))
+        st.align = 4
+
+    def _bcast(self, at, lanes=1):
+        """floats at .. at + lanes − 1 of the buffer, repeated over 16 lanes."""
+        b = self.b
+        v = b.load(b.gep(self.scratch, [u.i64(at)], source_etype=u.F32),
+                   typ=ir.VectorType(u.F32, lanes))
+        v.align = 4
+        return b.shuffle_vector(v, v, ir.Constant(I16V, [k % lanes for k in range(16)]))
+
+    def part(self, p):
+        n = 16 // PARTS
+        return [self.vector(v) for v in range(p * n, p * n + n)]
+
+
+class Q4K(_Decoder):
+    """q4_k: weight = float(q)·(d·sc) − dmin·m through a table per 32-value sub-block; the
+    128 quant bytes as two transposed 64-byte halves (sub-blocks 0-3, 4-7)."""
+
+    QS = 16
+
+    def __init__(self, b, src, scratch):
+        super().__init__(b, src, scratch)
+        dls, mls = scales_mins_k4(b, src, 4, _half(b, src, 0), _half(b, src, 2))
+        self._store(dls, 0)
+        self._store(b.fneg(mls), 16)
+        self.q = [None, None]
+        self.tables = {}
+
+    def _quants(self, half):
+        if self.q[half] is None:
+            self.q[half] = _transposed(self.b, self.src, self.QS + 64 * half)
+        return self.q[half]
+
+    def table(self, sub):
+        if sub not in self.tables:
+            self.tables[sub] = _table_fma(self.b, _iota(range(16)), self._bcast(sub),
+                                          self._bcast(16 + sub))
+        return self.tables[sub]
+
+    def nibble(self, v):
+        """Codes of vector v (low 4 bits of each lane), and its sub-block."""
+        c, r = divmod(v, 4)           # 64-value chunk c: sub-blocks 2c (low nibbles), 2c + 1
+        p, i = divmod(r, 2)           # p: high nibble; i: second 16 bytes of the chunk
+        shift = 8 * (2 * (c % 2) + i) + 4 * p
+        return _codes(self.b, self._quants(c // 2), shift), 2 * c + p
+
+    def vector(self, v):
+        idx, sub = self.nibble(v)
+        return _permute(self.b, self.table(sub), idx)
+
+
+class Q5K(Q4K):
+    """q5_k: as q4_k with the fifth bit from qh (bit 2c + p of byte i of 32), the index of a
+    32-value table in two registers."""
+
+    QS = 48
+
+    def __init__(self, b, src, scratch):
+        super().__init__(b, src, scratch)
+        self.qh = _transposed(b, src, 16, 32)
+
+    def table(self, sub):
+        if sub not in self.tables:
+            dl, ml = self._bcast(sub), self._bcast(16 + sub)
+            self.tables[sub] = [_table_fma(self.b, _iota(range(16 * t, 16 * t + 16)), dl, ml)
+                                for t in range(2)]
+        return self.tables[sub]
+
+    def vector(self, v):
+        idx, sub = self.nibble(v)
+        i = (v % 4) % 2
+        high = _codes(self.b, self.qh, 8 * i + sub - 4)     # bit `sub` of byte i -> bit 4
+        lo, hi = self.table(sub)
+        return _permute2(self.b, lo, hi, _merge(self.b, idx, high, 15))
+
+
+class Q2K(_Decoder):
+    """q2_k: weight = float(q)·(d·(sc & 15)) − dmin·(sc >> 4) per 16-value group; one table
+    holds groups 4t .. 4t + 3 (vectors 4t .. 4t + 3), entry 4q + slot, so an index is the
+    2-bit code moved to bits 2-3 with the group's slot below."""
+
+    def __init__(self, b, src, scratch):
+        super().__init__(b, src, scratch)
+        d, dmin = _half(b, src, 80), _half(b, src, 82)
+        sc = _bytes(b, src, 0, 16)     # the 16 groups' scale (low nibble) and min (high)
+        dls = b.fmul(u.splat(b, d, 16), b.sitofp(b.and_(sc, u.const(I16V, 15)), F16V))
+        mls = b.fmul(u.splat(b, dmin, 16), b.sitofp(b.lshr(sc, u.const(I16V, 4)), F16V))
+        self._store(dls, 0)
+        self._store(b.fneg(mls), 16)
+        self.q = _transposed(b, src, 16)
+        self.tables = {}
+
+    def vector(self, v):
+        t = v // 4
+        if t not in self.tables:
+            self.tables[t] = _table_fma(self.b, _iota([k // 4 for k in range(16)]),
+                                        self._bcast(4 * t, 4), self._bcast(16 + 4 * t, 4))
+        h, r = divmod(v, 8)
+        j, p = divmod(r, 2)
+        code = _codes(self.b, self.q, 8 * (2 * h + p) + 2 * j - 2)   # the 2 bits -> bits 2-3
+        return _permute(self.b, self.tables[t], _merge(self.b, u.const(I16V, v % 4), code, 3))
+
+
+class Q3K(_Decoder):
+    """q3_k: weight = float(q)·(d·(sc − 32)), q = 2-bit code − 4 unless its hmask bit is set;
+    a table per 16-value group holds float(c − 4)·dl for c = 0..7 (twice), indexed by the
+    code with the hmask bit as bit 2."""
+
+    def __init__(self, b, src, scratch):
+        super().__init__(b, src, scratch)
+        dls = b.fmul(u.splat(b, _half(b, src, 108), 16), b.sitofp(_q3_scales(b, src), F16V))
+        self._store(dls, 0)
+        self.q = _transposed(b, src, 32)
+        self.hm = _transposed(b, src, 0, 32)
+
+    def vector(self, v):
+        h, r = divmod(v, 8)
+        j, p = divmod(r, 2)
+        low = _codes(self.b, self.q, 8 * (2 * h + p) + 2 * j)
+        high = _codes(self.b, self.hm, 8 * p + 4 * h + j - 2)     # the hmask bit -> bit 2
+        table = self.b.fmul(_iota([k % 8 - 4 for k in range(16)]), self._bcast(v))
+        return _permute(self.b, table, _merge(self.b, low, high, 3))
+
+
+class Q6K(_Decoder):
+    """q6_k: weight = float(q)·(d·sc), q = (low nibble | 2 high bits << 4) − 32. The code
+    goes to a lane's top 6 bits with its top bit flipped (qh is flipped once: every 2-bit
+    field's high bit), so an arithmetic shift gives q exactly."""
+
+    def __init__(self, b, src, scratch):
+        super().__init__(b, src, scratch)
+        sc = _sbytes(b, src, 192, 16)
+        self._store(b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V)), 0)
+        self.ql = [_transposed(b, src, 64 * n) for n in range(2)]
+        self.qh = b.xor(_transposed(b, src, 128), u.const(I16V, -0x55555556))  # 0xAAAAAAAA
+
+    def vector(self, v):
+        n, r = divmod(v, 8)          # weights 128n + 16g + 32k: ql byte g (+2 for odd k)
+        k, g = divmod(r, 2)
+        nib = 8 * (g + 2 * (k % 2)) + 4 * (k // 2)
+        low = _codes(self.b, self.ql[n], nib - 26)                 # nibble -> bits 26-29
+        high = _codes(self.b, self.qh, 8 * (2 * n + g) + 2 * k - 30)   # 2 bits -> bits 30-31
+        q = self.b.ashr(_merge(self.b, high, low, -0x40000000), u.const(I16V, 26))
+        return self.b.fmul(self.b.sitofp(q, F16V), self._bcast(v))
+
+
+def _table_fma(b, codes, scale, offset):
+    """codes · scale + offset in one rounding: exact as the decoder's product-then-sum
+    (see fucina.codegen.quant_gemm._table)."""
+    return u.intrinsic(b, "llvm.fma", F16V, [codes, scale, offset])
+
+
+DECODERS = {"q2_k": Q2K, "q3_k": Q3K, "q4_k": Q4K, "q5_k": Q5K, "q6_k": Q6K}
+
+
+def prepare(b, fmt, src, scratch):
+    """The decoder of the block at src (its scales stored to scratch, SCRATCH floats)."""
+    return DECODERS[fmt](b, src, scratch)
+
+
+def settle(b, buffers):
+    """Call once after every block of an iteration is prepared (see _barrier)."""
+    _barrier(b, buffers)
