@@ -66,6 +66,20 @@ def _codes(b, v, shift):
     return v
 
 
+def _word_shift(b, v, lo, hi):
+    """Each dword's low 16-bit word shifted left by `lo` bits, its high word by `hi` (right
+    when negative; both the same direction): one vpsllvw / vpsrlvw aligns two fields of
+    different positions at once."""
+    words = ir.VectorType(u.I16, 32)
+    w = b.bitcast(v, words)
+    if lo >= 0 and hi >= 0:
+        w = b.shl(w, ir.Constant(words, [lo, hi] * 16))
+    else:
+        assert lo <= 0 and hi <= 0, (lo, hi)
+        w = b.lshr(w, ir.Constant(words, [-lo, -hi] * 16))
+    return b.bitcast(w, I16V)
+
+
 def _merge(b, low, high, mask):
     """Bits of `low` where mask is set, of `high` elsewhere: one vpternlogd, called as the
     intrinsic (as and/or, LLVM splits it back into an and plus a ternlog around the shifts)."""
@@ -161,13 +175,16 @@ class Q4K(_Decoder):
 
 class Q5K(Q4K):
     """q5_k: as q4_k with the fifth bit from qh (bit 2c + p of byte i of 32), the index of a
-    32-value table in two registers."""
+    32-value table in two registers. Each byte of a transposed half of the quants gets its
+    fifth bit at bit 4 once (per half and nibble: a word shift of the transposed qh and a
+    ternlog), so a vector's index is one shift of that merged register."""
 
     QS = 48
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        self.qh = _transposed(b, src, 16, 32)
+        self.qh = _transposed(b, src, 16, 32)     # byte k of a lane: qh[16·(k % 2) + t]
+        self.merged = {}
 
     def table(self, sub):
         if sub not in self.tables:
@@ -176,12 +193,23 @@ class Q5K(Q4K):
                                 for t in range(2)]
         return self.tables[sub]
 
+    def _merged(self, half, p):
+        """Byte k = 2·(c % 2) + i of each lane (chunk c of this half): the 4-bit code of
+        sub-block 2c + p with its qh bit (bit 2c + p) as bit 4."""
+        if (half, p) not in self.merged:
+            b = self.b
+            q = _codes(b, self._quants(half), 4 * p)
+            bit = 4 * half + p          # qh bit of bytes 0-1; bytes 2-3: bit + 2
+            high = _word_shift(b, self.qh, 4 - bit, 2 - bit)
+            self.merged[(half, p)] = _merge(b, q, high, 0x0F0F0F0F)
+        return self.merged[(half, p)]
+
     def vector(self, v):
-        idx, sub = self.nibble(v)
-        i = (v % 4) % 2
-        high = _codes(self.b, self.qh, 8 * i + sub - 4)     # bit `sub` of byte i -> bit 4
-        lo, hi = self.table(sub)
-        return _permute2(self.b, lo, hi, _merge(self.b, idx, high, 15))
+        c, r = divmod(v, 4)
+        p, i = divmod(r, 2)
+        idx = _codes(self.b, self._merged(c // 2, p), 8 * (2 * (c % 2) + i))
+        lo, hi = self.table(2 * c + p)
+        return _permute2(self.b, lo, hi, idx)
 
 
 class Q2K(_Decoder):
@@ -212,45 +240,77 @@ class Q2K(_Decoder):
 
 
 class Q3K(_Decoder):
-    """q3_k: weight = float(q)·(d·(sc − 32)), q = 2-bit code − 4 unless its hmask bit is set;
-    a table per 16-value group holds float(c − 4)·dl for c = 0..7 (twice), indexed by the
-    code with the hmask bit as bit 2."""
+    """q3_k: weight = float(q)·(d·(sc − 32)), q = 2-bit code − 4 unless its hmask bit is set.
+    The table of groups v and v + 1 (v even: the p = 0 and p = 1 halves of a (h, j)) holds
+    float(c − 4)·dl at entry 2c + slot, c = 0..7. For each j one register holds every byte's
+    index at once (bit 0 its slot p, bits 1-2 the code, bit 3 the hmask bit): byte
+    k = 2h + p of a lane serves vector 8h + 2j + p, one shift away."""
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
         dls = b.fmul(u.splat(b, _half(b, src, 108), 16), b.sitofp(_q3_scales(b, src), F16V))
         self._store(dls, 0)
-        self.q = _transposed(b, src, 32)
-        self.hm = _transposed(b, src, 0, 32)
+        self.q = _transposed(b, src, 32)          # byte k = 2h + p: qs[32 + 16k + t]
+        # hmask with bytes 2-3 (h = 1) moved down 4 bits: bit j of byte k is hmask bit 4h + j
+        hm = b.bitcast(_load_bytes(b, src, 0, 32), ir.VectorType(u.I16, 32))
+        hm = b.lshr(hm, ir.Constant(ir.VectorType(u.I16, 32), [0] * 16 + [4] * 16))
+        idx = ir.Constant(B64, [16 * (k % 4) + k // 4 for k in range(64)])
+        self.hm = b.bitcast(u.intrinsic(b, "llvm.x86.avx512.permvar.qi.512", B64,
+                                        [b.bitcast(hm, B64), idx], types=[]), I16V)
+        self.merged, self.tables = {}, {}
+
+    def _merged(self, j):
+        if j not in self.merged:
+            b = self.b
+            code = _merge(b, _codes(b, self.q, 2 * j - 1), _codes(b, self.hm, j - 3),
+                          0x06060606)
+            self.merged[j] = _merge(b, code, u.const(I16V, 0x01000100), ~0x01010101)
+        return self.merged[j]
 
     def vector(self, v):
         h, r = divmod(v, 8)
         j, p = divmod(r, 2)
-        low = _codes(self.b, self.q, 8 * (2 * h + p) + 2 * j)
-        high = _codes(self.b, self.hm, 8 * p + 4 * h + j - 2)     # the hmask bit -> bit 2
-        table = self.b.fmul(_iota([k % 8 - 4 for k in range(16)]), self._bcast(v))
-        return _permute(self.b, table, _merge(self.b, low, high, 3))
+        v0 = v - p
+        if v0 not in self.tables:
+            self.tables[v0] = self.b.fmul(_iota([k // 2 - 4 for k in range(16)]),
+                                          self._bcast(v0, 2))
+        idx = _codes(self.b, self._merged(j), 8 * (2 * h + p))
+        return _permute(self.b, self.tables[v0], idx)
 
 
 class Q6K(_Decoder):
-    """q6_k: weight = float(q)·(d·sc), q = (low nibble | 2 high bits << 4) − 32. The code
-    goes to a lane's top 6 bits with its top bit flipped (qh is flipped once: every 2-bit
-    field's high bit), so an arithmetic shift gives q exactly."""
+    """q6_k: weight = float(q)·(d·sc), q = (low nibble | 2 high bits << 4) − 32. For each
+    half n and nibble of ql one register holds every byte's 6-bit code at once (the nibble,
+    its qh bits at bits 4-5 by a word shift, one ternlog), with the code's top bit flipped
+    (qh is flipped once: every 2-bit field's high bit): a vector's q is its byte moved to a
+    lane's top and arithmetically shifted down, then converted and multiplied by its scale
+    as the decoder does."""
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
         sc = _sbytes(b, src, 192, 16)
         self._store(b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V)), 0)
-        self.ql = [_transposed(b, src, 64 * n) for n in range(2)]
-        self.qh = b.xor(_transposed(b, src, 128), u.const(I16V, -0x55555556))  # 0xAAAAAAAA
+        self.ql = [_transposed(b, src, 64 * n) for n in range(2)]   # byte k: ql[64n + 16k + t]
+        self.qh = [None, None]
+        self.merged = {}
+
+    def _merged(self, n, nh):
+        """Byte k of a lane: the code of weight 128n + 16·(k % 2) + 32·(2·nh + k // 2) + t."""
+        if (n, nh) not in self.merged:
+            b = self.b
+            if self.qh[n] is None:     # byte k: qh[32n + 16·(k % 2) + t], fields flipped
+                self.qh[n] = b.xor(_transposed(b, self.src, 128 + 32 * n, 32),
+                                   u.const(I16V, -0x55555556))     # 0xAAAAAAAA
+            high = _word_shift(b, self.qh[n], 4 - 4 * nh, 2 - 4 * nh)   # bits 2kp -> 4
+            self.merged[(n, nh)] = _merge(b, _codes(b, self.ql[n], 4 * nh), high, 0x0F0F0F0F)
+        return self.merged[(n, nh)]
 
     def vector(self, v):
-        n, r = divmod(v, 8)          # weights 128n + 16g + 32k: ql byte g (+2 for odd k)
-        k, g = divmod(r, 2)
-        nib = 8 * (g + 2 * (k % 2)) + 4 * (k // 2)
-        low = _codes(self.b, self.ql[n], nib - 26)                 # nibble -> bits 26-29
-        high = _codes(self.b, self.qh, 8 * (2 * n + g) + 2 * k - 30)   # 2 bits -> bits 30-31
-        q = self.b.ashr(_merge(self.b, high, low, -0x40000000), u.const(I16V, 26))
+        n, r = divmod(v, 8)          # weights 128n + 16g + 32kp
+        kp, g = divmod(r, 2)
+        k = g + 2 * (kp % 2)
+        top = _codes(self.b, self._merged(n, kp // 2), 8 * k - 26)    # byte k -> bits 26-31
+        q = self.b.ashr(top, u.const(I16V, 26))
         return self.b.fmul(self.b.sitofp(q, F16V), self._bcast(v))
 
 
