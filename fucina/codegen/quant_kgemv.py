@@ -28,7 +28,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import irutil as u
-from .quant import _bytes, _half, _q3_scales, _sbytes, scales_mins_k4
+from .quant import _bytes, _half, _q3_scales, _sbytes
 
 F16V = ir.VectorType(u.F32, 16)
 I16V = ir.VectorType(u.I32, 16)
@@ -136,6 +136,29 @@ class _Decoder:
         return [self.vector(v) for v in range(p * n, p * n + n)]
 
 
+def _scales_mins_k4(b, src):
+    """A q4_k / q5_k block's 8 sub-block scales d·float(sc_j) (lanes 0-7) and negated mins
+    −dmin·float(m_j) (lanes 8-15) in one 16-lane vector: the 6-bit pairs unpacked as
+    fucina.codegen.quant.scales_mins_k4 unpacks them (ggml's get_scale_min_k4), all 16 at
+    once, and each product the decoder's (a negated product is the product by −dmin,
+    bitwise: rounding is symmetric). A third of the instructions of the two 8-lane vectors
+    the block decoder builds, which cost the gemv ~2 instructions per 16 weights."""
+    v = _bytes(b, src, 4, 16)          # the 12 scale bytes q[0..11] (and 4 quant bytes)
+
+    def pick(lanes):
+        return b.shuffle_vector(v, v, ir.Constant(I16V, lanes))
+    low = pick([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])   # sc_j, m_j low bits
+    top = pick([0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])       # their bits 4-5 (j >= 4)
+    low = b.lshr(low, ir.Constant(I16V, [0] * 12 + [4] * 4))
+    low = b.and_(low, ir.Constant(I16V, ([63] * 4 + [15] * 4) * 2))
+    top = b.and_(b.lshr(top, u.const(I16V, 2)), ir.Constant(I16V, ([0] * 4 + [0x30] * 4) * 2))
+    pair = b.load(src, typ=ir.VectorType(u.F16, 2))    # d, dmin
+    pair.align = 2
+    pair = b.fpext(pair, ir.VectorType(u.F32, 2))
+    scale = b.shuffle_vector(pair, b.fneg(pair), ir.Constant(I16V, [0] * 8 + [3] * 8))
+    return b.fmul(scale, b.sitofp(b.or_(low, top), F16V))
+
+
 class Q4K(_Decoder):
     """q4_k: weight = float(q)·(d·sc) − dmin·m through a table per 32-value sub-block; the
     128 quant bytes as two transposed 64-byte halves (sub-blocks 0-3, 4-7)."""
@@ -144,9 +167,7 @@ class Q4K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        dls, mls = scales_mins_k4(b, src, 4, _half(b, src, 0), _half(b, src, 2))
-        self._store(dls, 0)
-        self._store(b.fneg(mls), 16)
+        self._store(_scales_mins_k4(b, src), 0)
         self.q = [None, None]
         self.tables = {}
 
@@ -158,7 +179,7 @@ class Q4K(_Decoder):
     def table(self, sub):
         if sub not in self.tables:
             self.tables[sub] = _table_fma(self.b, _iota(range(16)), self._bcast(sub),
-                                          self._bcast(16 + sub))
+                                          self._bcast(8 + sub))
         return self.tables[sub]
 
     def nibble(self, v):
@@ -188,7 +209,7 @@ class Q5K(Q4K):
 
     def table(self, sub):
         if sub not in self.tables:
-            dl, ml = self._bcast(sub), self._bcast(16 + sub)
+            dl, ml = self._bcast(sub), self._bcast(8 + sub)
             self.tables[sub] = [_table_fma(self.b, _iota(range(16 * t, 16 * t + 16)), dl, ml)
                                 for t in range(2)]
         return self.tables[sub]
