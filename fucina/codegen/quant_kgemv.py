@@ -41,6 +41,13 @@ SCRATCH = 80         # floats of stack buffer a decoder needs (scales, negated m
 FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
+def available() -> bool:
+    """The host has what these decoders are written in: 16-lane f32 vectors and the byte
+    permute (AVX-512 VBMI; Zen 4 / Zen 5, Ice Lake on). Elsewhere the block decoders run."""
+    from .target import host
+    return host().f32_lanes == 16 and "+avx512vbmi" in host().features
+
+
 def _load_bytes(b, src, off, n):
     """n (32 or 64) bytes at src + off as 64 byte lanes (32 bytes: repeated twice)."""
     v = b.load(b.gep(src, [u.i64(off)], source_etype=u.I8), typ=ir.VectorType(u.I8, n))
