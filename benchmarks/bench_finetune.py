@@ -190,7 +190,8 @@ def _rows(path, label, threads, quick, seqs, rss, peak) -> list[dict]:
                 except ImportError:
                     hstep = None
             fl, hl, fu_s, hf_s = c.alternating_steps(batches, fstep, hstep, threads)
-            rate = _flops(cfg, targets, seq) / fu_s
+            work = _flops(cfg, targets, seq)
+            rate = work / fu_s
             rss_f = None if quick or not rss else _rss("fucina", path, targets, seq, threads)
             rss_h = None if quick or not rss or hstep is None else _rss("hf", path, targets, seq,
                                                                         threads)
@@ -201,7 +202,7 @@ def _rows(path, label, threads, quick, seqs, rss, peak) -> list[dict]:
                     + (f" / {hl[0]:.4f} (transformers)" if hl else "")
                     + (f"; peak RSS {rss_f:.0f} MB" if rss_f else "")
                     + (f" vs {rss_h:.0f} MB (transformers + peft)" if rss_h else "")
-                    + (f"; {c.bound_note(hf_s, _flops(cfg, targets, seq), peak, 'peft')}"
+                    + (f"; {c.bound_note(hf_s, work, peak, 'peft')}"
                        if hf_s else ""))
             met = (hf_s / fu_s >= 1.6) if hf_s else None
             target = "≥ 1.6× transformers + peft" if hf_s else ""

@@ -93,6 +93,18 @@ def test_decode_step_layouts(ctx1):
     check_close(col.dot(q, "i").numpy(), col.numpy().T, wd)
 
 
+def gemv_kernel(ctx, x, w, cols, **flags):
+    """y = x · wᵀ by one QuantGemvKey(w's format, x's rows, cols, **flags) launch, every item
+    in one chunk (the kernel's paths compared directly, whatever exec would pick)."""
+    from fucina.codegen import kernels
+    from fucina.codegen.quant_gemm import QuantGemvKey
+    (rows, K), N = x.shape, w.shape[0]
+    y = ctx.tensor(np.zeros((rows, N), np.float32), ("s", "o"))._raw
+    ctx.launch(kernels.get(QuantGemvKey(w.dtype, rows, cols, **flags)), 1, 0, x.addr, w.addr,
+               y.addr, N, K, K, -(-N // cols))
+    return fu.Tensor(y, ("s", "o")).numpy()
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"] + KQUANT)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
@@ -101,18 +113,12 @@ def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
     (q4_0 / q4_1 / q5_0 / q5_1 / q8_0) multiply exactly the weights the block decoders give:
     with and without them the kernel agrees bit for bit, and so does the staged kernel that
     prefetches block by block (spread, long rows). K = 2400 spans several staging segments."""
-    from fucina.codegen import kernels
-    from fucina.codegen.quant_gemm import QuantGemvKey
     N, K = 70, 1280 if fmt in KQUANT else 2400
     q, _ = qweight(ctx1, N, K, fmt)
     x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
-    outs = []
-    for table, staged, spread in ((True, True, False), (True, False, False),
-                                  (False, False, False), (True, True, True)):
-        y = ctx1.tensor(np.zeros((rows, N), np.float32), ("s", "o"))._raw
-        ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, 2, table, staged, spread=spread)), 1,
-                    0, x.addr, q._raw.addr, y.addr, N, K, K, N)
-        outs.append(fu.Tensor(y, ("s", "o")).numpy())
+    outs = [gemv_kernel(ctx1, x, q._raw, 2, table=table, staged=staged, spread=spread)
+            for table, staged, spread in ((True, True, False), (True, False, False),
+                                          (False, False, False), (True, True, True))]
     for other in outs[1:]:
         assert_bitwise(outs[0], other)
 
@@ -127,8 +133,6 @@ def test_kquant_register_decode_on_any_bytes(ctx1, fmt):
     scales of magnitudes 1e-7 .. 1e3, subnormals included): the gemv's register decoders
     give the block decoders' bits for 1 to 4 rows of x, their item widths and odd N (an
     item past N's edge)."""
-    from fucina.codegen import kernels
-    from fucina.codegen.quant_gemm import QuantGemvKey
     rng = np.random.default_rng(7)
     bs, nbytes = FORMATS[fmt]
     N, K = 13, 1024
@@ -139,14 +143,9 @@ def test_kquant_register_decode_on_any_bytes(ctx1, fmt):
         raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
     q = xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt)
     for rows in (1, 2, 3, 4):
-        cols = xq.GEMV_COLS[rows]
         x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
-        outs = []
-        for table in (True, False):
-            y = ctx1.tensor(np.zeros((rows, N), np.float32), ("s", "o"))._raw
-            ctx1.launch(kernels.get(QuantGemvKey(fmt, rows, cols, table)), 1, 0, x.addr,
-                        q.addr, y.addr, N, K, K, -(-N // cols))
-            outs.append(fu.Tensor(y, ("s", "o")).numpy())
+        outs = [gemv_kernel(ctx1, x, q, xq.GEMV_COLS[rows], table=table)
+                for table in (True, False)]
         assert np.isfinite(outs[1]).all()
         assert_bitwise(outs[0], outs[1])
 

@@ -80,17 +80,6 @@ def _buffer(b, floats):
     return p
 
 
-def _table(b, codes, scale, offset=None):
-    """The values a block's codes decode to, codes · scale + offset, as its decoder computes
-    them (a product rounded, then a sum rounded) but in one FMA: a code has at most 5 bits
-    and the scale at most 17 (an f16 d, times q4_k's 6-bit sub-scale), so the product is
-    exact in f32 and the FMA's one rounding is the sum's. The FMA runs on the two pipes the
-    multiply would; the add it saves shared a pipe with the table permutes (Zen 5)."""
-    if offset is None:
-        return b.fmul(codes, scale)
-    return u.intrinsic(b, "llvm.fma", codes.type, [codes, scale, offset])
-
-
 # ---------------------------------------------------------------------------------------------
 # few rows of x: decode each block of w once and use it against every row
 
@@ -123,10 +112,10 @@ def _lut_block(b, src, fmt, dm=None):
         pair = b.fpext(_load_dm(b, src), ir.VectorType(u.F32, 2))
         d, m = (b.shuffle_vector(pair, pair, ir.Constant(i16, [k] * 16)) for k in (0, 1))
     if fmt == "q4_0":
-        table = _table(b, ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
+        table = kq.table(b, ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
         qoff = 2
     else:
-        table = _table(b, ir.Constant(f16, [float(q) for q in range(16)]), d, m)
+        table = kq.table(b, ir.Constant(f16, [float(q) for q in range(16)]), d, m)
         qoff = 4
     qs = b.load(b.gep(src, [u.i64(qoff)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
     qs.align = 1
@@ -148,10 +137,10 @@ def _lut_q5(b, src, fmt, dm):
     tables = []
     for t in range(2):
         if fmt == "q5_0":
-            tables.append(_table(b, ir.Constant(f16, [float(16 * t + q - 16) for q in range(16)]),
+            tables.append(kq.table(b, ir.Constant(f16, [float(16 * t + q - 16) for q in range(16)]),
                                  d))
         else:
-            tables.append(_table(b, ir.Constant(f16, [float(16 * t + q) for q in range(16)]),
+            tables.append(kq.table(b, ir.Constant(f16, [float(16 * t + q) for q in range(16)]),
                                  d, u.splat(b, dm[1], 16)))
     qh_off, qs_off = (2, 6) if fmt == "q5_0" else (4, 8)
     qh = b.load(b.gep(src, [u.i64(qh_off)], source_etype=u.I8), typ=u.I32)
@@ -310,7 +299,7 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
                     d = u.splat(b, b.load(slot(c, g, j), typ=u.F32), 16)
                     m = None if fmt == "q4_0" else u.splat(b, b.load(slot(c, g, GROUP + j),
                                                                       typ=u.F32), 16)
-                    table = _table(b, iota, d, m)
+                    table = kq.table(b, iota, d, m)
                     halves = []
                     for h in range(2):
                         sh = 8 * j + 4 * h

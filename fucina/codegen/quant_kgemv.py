@@ -15,7 +15,7 @@ shuffles a group); on Zen 4 that is ~11 vector instructions per 16 weights. Here
   small stack buffer behind a compiler barrier (`settle`): their broadcasts are loads
   (folded into the arithmetic), not register shuffles.
 - Codes become weights through 16-value tables built per group with the decoder's own
-  arithmetic (fucina.codegen.quant_gemm._table's exactness argument): q4_k one table per
+  arithmetic (`table`'s exactness argument): q4_k one table per
   32-value sub-block, q5_k a 32-value one (two registers), q2_k four groups of 16 in one
   table (4 values each), q3_k two groups of 8 values. q6_k's 64 values fit no table: its
   codes are assembled 64 at a time in weight order as signed bytes 4·q in the scratch,
@@ -58,13 +58,17 @@ def _load_bytes(b, src, off, n):
                                               [k % 32 for k in range(64)]))
 
 
-def _transposed(b, src, off, n=64):
-    """The n bytes at src + off with dword t = bytes (t, 16 + t, 32 + t, 48 + t) (32 bytes:
-    (t, 16 + t, t, 16 + t)): one vpermb; every lane then holds its own weight's bits."""
+def _byte_transpose(b, v):
+    """64 byte lanes with dword t = bytes (t, 16 + t, 32 + t, 48 + t): one vpermb; every lane
+    then holds its own weight's bits."""
     idx = ir.Constant(B64, [16 * (k % 4) + k // 4 for k in range(64)])
-    v = u.intrinsic(b, "llvm.x86.avx512.permvar.qi.512", B64, [_load_bytes(b, src, off, n), idx],
-                    types=[])
+    v = u.intrinsic(b, "llvm.x86.avx512.permvar.qi.512", B64, [v, idx], types=[])
     return b.bitcast(v, I16V)
+
+
+def _transposed(b, src, off, n=64):
+    """The n bytes at src + off, byte-transposed (32 bytes: dword t = (t, 16 + t, t, 16 + t))."""
+    return _byte_transpose(b, _load_bytes(b, src, off, n))
 
 
 def _codes(b, v, shift):
@@ -116,6 +120,18 @@ def _barrier(b, buffers):
     ptr = [buf.type for buf in buffers]
     b.asm(ir.FunctionType(u.VOID, ptr), "", ",".join(["r"] * len(buffers) + ["~{memory}"]),
           list(buffers), True)
+
+
+def table(b, codes, scale, offset=None):
+    """The values a block's codes decode to, codes · scale + offset, as its decoder computes
+    them (a product rounded, then a sum rounded) but in one FMA: a code has at most 5 bits
+    and the scale at most 17 (an f16 d, times a 6-bit sub-scale), so the product is exact
+    in f32 and the FMA's one rounding is the sum's. The FMA runs on the two pipes the
+    multiply would; the add it saves shared a pipe with the table permutes (Zen 5). Shared
+    by these decoders and quant_gemm's q4 / q5 tables."""
+    if offset is None:
+        return b.fmul(codes, scale)
+    return u.intrinsic(b, "llvm.fma", codes.type, [codes, scale, offset])
 
 
 def _iota(values):
@@ -188,7 +204,7 @@ class Q4K(_Decoder):
 
     def table(self, sub):
         if sub not in self.tables:
-            self.tables[sub] = _table_fma(self.b, _iota(range(16)), self._bcast(sub),
+            self.tables[sub] = table(self.b, _iota(range(16)), self._bcast(sub),
                                           self._bcast(8 + sub))
         return self.tables[sub]
 
@@ -220,7 +236,7 @@ class Q5K(Q4K):
     def table(self, sub):
         if sub not in self.tables:
             dl, ml = self._bcast(sub), self._bcast(8 + sub)
-            self.tables[sub] = [_table_fma(self.b, _iota(range(16 * t, 16 * t + 16)), dl, ml)
+            self.tables[sub] = [table(self.b, _iota(range(16 * t, 16 * t + 16)), dl, ml)
                                 for t in range(2)]
         return self.tables[sub]
 
@@ -262,7 +278,7 @@ class Q2K(_Decoder):
     def vector(self, v):
         t = v // 4
         if t not in self.tables:
-            self.tables[t] = _table_fma(self.b, _iota([k // 4 for k in range(16)]),
+            self.tables[t] = table(self.b, _iota([k // 4 for k in range(16)]),
                                         self._bcast(4 * t, 4), self._bcast(16 + 4 * t, 4))
         h, r = divmod(v, 8)
         j, p = divmod(r, 2)
@@ -285,9 +301,7 @@ class Q3K(_Decoder):
         # hmask with bytes 2-3 (h = 1) moved down 4 bits: bit j of byte k is hmask bit 4h + j
         hm = b.bitcast(_load_bytes(b, src, 0, 32), ir.VectorType(u.I16, 32))
         hm = b.lshr(hm, ir.Constant(ir.VectorType(u.I16, 32), [0] * 16 + [4] * 16))
-        idx = ir.Constant(B64, [16 * (k % 4) + k // 4 for k in range(64)])
-        self.hm = b.bitcast(u.intrinsic(b, "llvm.x86.avx512.permvar.qi.512", B64,
-                                        [b.bitcast(hm, B64), idx], types=[]), I16V)
+        self.hm = _byte_transpose(b, b.bitcast(hm, B64))
         self.merged, self.tables = {}, {}
 
     def _merged(self, j):
@@ -303,8 +317,8 @@ class Q3K(_Decoder):
         j, p = divmod(r, 2)
         v0 = v - p
         if v0 not in self.tables:
-            self.tables[v0] = self.b.fmul(_iota([k // 2 - 4 for k in range(16)]),
-                                          self._bcast(v0, 2))
+            self.tables[v0] = table(self.b, _iota([k // 2 - 4 for k in range(16)]),
+                                    self._bcast(v0, 2))
         idx = _codes(self.b, self._merged(j), 8 * (2 * h + p))
         return _permute(self.b, self.tables[v0], idx)
 
@@ -346,12 +360,6 @@ class Q6K(_Decoder):
                     typ=ir.VectorType(u.I8, 16))
         q4.align = 1
         return b.fmul(b.sitofp(b.sext(q4, I16V), F16V), self._bcast(v))
-
-
-def _table_fma(b, codes, scale, offset):
-    """codes · scale + offset in one rounding: exact as the decoder's product-then-sum
-    (see fucina.codegen.quant_gemm._table)."""
-    return u.intrinsic(b, "llvm.fma", F16V, [codes, scale, offset])
 
 
 DECODERS = {"q2_k": Q2K, "q3_k": Q3K, "q4_k": Q4K, "q5_k": Q5K, "q6_k": Q6K}
