@@ -135,6 +135,7 @@ def table(b, codes, scale, offset=None):
 
 
 def _iota(values):
+    """A constant 16-lane f32 vector of the given codes (a table's arguments)."""
     return ir.Constant(F16V, [float(v) for v in values])
 
 
@@ -158,6 +159,7 @@ class _Decoder:
         return b.shuffle_vector(v, v, ir.Constant(I16V, [k % lanes for k in range(16)]))
 
     def part(self, p):
+        """The decoded vectors of part p of the block, in increasing order."""
         n = 16 // PARTS
         return [self.vector(v) for v in range(p * n, p * n + n)]
 
