@@ -205,34 +205,46 @@ def _matvec(threads: int, quick: bool) -> list[dict]:
     out = []
     try:
         for fmt in MATVEC_FORMATS:
-            bs, bb = FORMATS[fmt]
-            for N, K in MATVEC_SHAPES[bs]:
+            for N, K in MATVEC_SHAPES[FORMATS[fmt][0]]:
                 if N > 10000 and fmt not in MATVEC_HEAD:
                     continue
                 q = _blocks(ctx, rng.standard_normal((N, K)).astype(np.float32), fmt)
                 xa = rng.standard_normal((1, K)).astype(np.float32)
                 x = ctx.tensor(xa, ("tok", "in"))
-                env = {"x": x, "q": q}
-                stmts = {"fucina": "x.dot(q, 'in')"}
-                if torch is not None:
-                    env.update(F=torch.nn.functional, tx=torch.from_numpy(xa),
-                               tw=torch.from_numpy(q.to("f32").numpy()))
-                    stmts["torch"] = "F.linear(tx, tw)"
-                    if not np.allclose(x.dot(q, "in").numpy(), env["F"].linear(env["tx"], env["tw"]).numpy(),
-                                       rtol=1e-4, atol=1e-3):
-                        raise AssertionError(f"{fmt}: Fucina's matvec and torch F.linear disagree")
-                t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
-                                     repeats=5 if quick else 9, block_s=0.03 if quick else 0.1)
-                nbytes = N * K // bs * bb
-                gbs = nbytes / t["fucina"].median
-                out.append(c.vs_torch(GROUP, f"matvec x[1, {K}] · {fmt} w[{N}, {K}]ᵀ", threads,
-                                      t["fucina"], t.get("torch"), load, target="≥ PyTorch F.linear",
-                                      note=f"{gbs / 1e9:.1f} GB/s of blocks = {100 * gbs / bw:.0f} % "
-                                           f"of the STREAM scale reference {bw / 1e9:.1f} GB/s; "
-                                           f"torch = F.linear on the dequantized f32 weight"))
+                layouts = [("", q)]
+                if N < 10000 and q.for_matvec() is not q:   # serving's layout (fu.llm.load)
+                    layouts.append((", for_matvec layout", q.for_matvec()))
+                for label, w in layouts:
+                    out.append(_matvec_row(threads, quick, torch, bw, x, xa, w, q, fmt, N, K,
+                                           label))
     finally:
         ctx.close()
     return out
+
+
+def _matvec_row(threads, quick, torch, bw, x, xa, w, q, fmt, N, K, label):
+    """One matvec row: w is q (as stored) or its for_matvec copy."""
+    from fucina.codegen.quant import FORMATS
+
+    bs, bb = FORMATS[fmt]
+    env = {"x": x, "q": w}
+    stmts = {"fucina": "x.dot(q, 'in')"}
+    if torch is not None:
+        env.update(F=torch.nn.functional, tx=torch.from_numpy(xa),
+                   tw=torch.from_numpy(q.to("f32").numpy()))
+        stmts["torch"] = "F.linear(tx, tw)"
+        if not np.allclose(x.dot(w, "in").numpy(), env["F"].linear(env["tx"], env["tw"]).numpy(),
+                           rtol=1e-4, atol=1e-3):
+            raise AssertionError(f"{fmt}: Fucina's matvec and torch F.linear disagree")
+    t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                         repeats=5 if quick else 9, block_s=0.03 if quick else 0.1)
+    nbytes = N * K // bs * bb
+    gbs = nbytes / t["fucina"].median
+    return c.vs_torch(GROUP, f"matvec x[1, {K}] · {fmt} w[{N}, {K}]ᵀ{label}", threads,
+                      t["fucina"], t.get("torch"), load, target="≥ PyTorch F.linear",
+                      note=f"{gbs / 1e9:.1f} GB/s of blocks = {100 * gbs / bw:.0f} % "
+                           f"of the STREAM scale reference {bw / 1e9:.1f} GB/s; "
+                           f"torch = F.linear on the dequantized f32 weight")
 
 
 def rows(quick: bool = False) -> list[dict]:

@@ -150,12 +150,14 @@ def test_kquant_register_decode_on_any_bytes(ctx1, fmt):
         assert_bitwise(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
-@pytest.mark.parametrize("N,K", [(1536, 576), (70, 2400), (33, 96), (5, 32)])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
+@pytest.mark.parametrize("N,K", [(1536, 576), (70, 2400), (33, 96), (5, 32), (24, 640),
+                                 (9, 896)])
 def test_for_matvec_gives_the_same_bits(ctx1, ctx2, fmt, N, K):
-    """Tensor.for_matvec's interleaved copy (groups of 4 blocks, the row's last blocks as
-    stored): one to 8 rows give the plain gemv's bits at 1 and 2 threads; every other op
-    (more rows, dequantize, get_rows) reads the blocks as stored."""
+    """Tensor.for_matvec's interleaved copy (groups of 4 q4 or 3 q5 blocks, the row's last
+    blocks as stored; K = 640 and 896 leave q5 a tail of 2 and 1): one to 8 rows give the
+    plain gemv's bits at 1 and 2 threads; every other op (more rows, dequantize, get_rows)
+    reads the blocks as stored."""
     from fucina.exec.quant import GemvBlockRaw, interleaves
     for c in (ctx1, ctx2):
         q, wd = qweight(c, N, K, fmt)

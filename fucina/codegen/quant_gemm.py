@@ -14,8 +14,9 @@ materialised in memory as a whole. So each weight the matmul multiplies is bitwi
               block of a row of w and at once runs FMAs against the matching slice of every
               row of x (the decoded block never leaves registers). q4 blocks decode through
               16-value tables, q5 through 32-value ones; the 32-blocks' scales are converted
-              a segment ahead (staged), and q4_0 / q4_1 weights may come in an interleaved
-              layout (exec.quant.interleave) that needs no byte widening. The K-quants
+              a segment ahead (staged), and q4_0 / q4_1 / q5_0 / q5_1 weights may come in an
+              interleaved layout (exec.quant.interleave) whose index vectors are one shift
+              each (no byte widening, no fifth-bit masks). The K-quants
               (q2_k .. q6_k) decode by register decoders of their own (quant_kgemv: bytes
               transposed by a byte permute, scales broadcast from a stack buffer, tables of
               scale·code where they fit), every row of the item at once, 16 weights at a
@@ -234,23 +235,37 @@ def _staged_range(b, key, w, rows, row_bytes, k0, k1, sbuf, block, prefetch=None
         segment(s0, u.smin(b, b.add(s0, u.i64(SEGMENT)), k1))
 
 
-INTERLEAVED = ("q4_0", "q4_1")
-GROUP = 4               # blocks per interleaved group
+INTERLEAVED = ("q4_0", "q4_1", "q5_0", "q5_1")
+GROUPS = {"q4_0": 4, "q4_1": 4, "q5_0": 3, "q5_1": 3}   # blocks per interleaved group
+CODE_BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5}   # bits of a weight's code in a group
 SEG_GROUPS = 16         # groups whose scales an interleaved gemv converts ahead, per row
 
 
 def interleaved_scale_bytes(fmt: str) -> int:
-    """Bytes of f16 scales that open an interleaved group: d0..d3 (q4_0), then m0..m3 (q4_1)."""
-    return GROUP * 2 * (2 if fmt == "q4_1" else 1)
+    """Bytes of f16 scales that open an interleaved group: its d's, then its m's (q4_1, q5_1)."""
+    return GROUPS[fmt] * 2 * (2 if fmt in ("q4_1", "q5_1") else 1)
+
+
+def interleaved_row_bytes(fmt: str, K: int) -> int:
+    """Bytes of a row of K values in the interleaved layout: whole groups (scales + 64 bytes
+    of codes), then the last blocks as stored."""
+    bs, nbytes = FORMATS[fmt]
+    nblk = K // bs
+    groups = nblk // GROUPS[fmt]
+    return groups * (interleaved_scale_bytes(fmt) + 64) + (nblk - groups * GROUPS[fmt]) * nbytes
 
 
 def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block):
     """A row of w in the gemv's interleaved layout (fucina.exec.quant.interleave): groups of
-    GROUP blocks of k, each [the 4 d's (f16)][the 4 m's, q4_1][64 bytes: the byte j of block
-    g's nibbles at byte g of dword j], the same bytes as the 4 blocks, then the row's last
-    nblk % GROUP blocks as stored. One 64-byte load gives each dword lane its nibbles for the
-    whole group, so a block's two index vectors are shifts (no byte widening), and the scales
-    of a segment of groups are converted to f32 ahead (their broadcasts are loads).
+    G = GROUPS[fmt] blocks of k, each [the G d's (f16)][the G m's, q4_1 / q5_1][64 bytes of
+    codes], then the row's last nblk % G blocks as stored. Dword j of the codes holds the
+    code of weight j (half 0) and of weight 16 + j (half 1) of each block g of the group, at
+    bit CODE_BITS·(2g + half): one 64-byte load gives every lane its codes for the whole
+    group, so a block's index vectors are shifts (a permute reads only the index's low 4
+    bits, q4, or 5, q5, where the fifth picks the second table: no masks, no widening), and
+    the scales of a segment of groups are converted to f32 ahead (their broadcasts are
+    loads). q4 groups are the bytes of their 4 blocks; a q5 group of 3 takes 70 (q5_0) or 76
+    bytes (q5_1) for the 66 / 72 of its blocks.
     The rows PREFETCH_ITEMS items ahead are prefetched at the item's start, line by line, or
     with key.spread group by group as the item goes (two lines a group): on long rows a
     burst of 40+ prefetches stalls the loads behind it (SmolLM2's [576, 1536] q4_1 streamed
@@ -259,12 +274,15 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
     unpacked kernel's order: the bits are its bits."""
     fmt = key.fmt
     _, nbytes = FORMATS[fmt]
+    G, bits = GROUPS[fmt], CODE_BITS[fmt]
     f16 = ir.VectorType(u.F32, 16)
     i16 = ir.VectorType(u.I32, 16)
     nsc = interleaved_scale_bytes(fmt) // 2
-    gbytes = GROUP * nbytes
-    groups = b.sdiv(nblk, u.i64(GROUP))
-    iota = ir.Constant(f16, [float(q - (8 if fmt == "q4_0" else 0)) for q in range(16)])
+    gbytes = nsc * 2 + 64
+    groups = b.sdiv(nblk, u.i64(G))
+    offset = {"q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0}[fmt]
+    iotas = [ir.Constant(f16, [float(16 * t + q - offset) for q in range(16)])
+             for t in range(bits - 3)]
     if not key.spread:
         _prefetch_rows(b, w, rows, row_bytes, ahead)
 
@@ -279,7 +297,7 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
     with u.Loop(b, u.i64(0), groups, SEG_GROUPS, "gseg") as g0:
         g1 = u.smin(b, b.add(g0, u.i64(SEG_GROUPS)), groups)
 
-        def slot(c, g, i):   # scale i (d0..d3, m0..m3) of group g of row c, converted
+        def slot(c, g, i):   # scale i (the d's, then the m's) of group g of row c, converted
             at = b.add(u.i64(c * SEG_GROUPS), b.sub(g, g0))
             return b.gep(sbuf, [b.add(b.mul(at, u.i64(8)), u.i64(i))], source_etype=u.F32)
 
@@ -293,24 +311,32 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
         with u.Loop(b, g0, g1, 1, "g") as g:
             for c in range(len(rows)):
                 spread(gptr(c, g), gbytes)
-                nib = b.load(gptr(c, g, nsc * 2), typ=i16)
-                nib.align = 1
-                for j in range(GROUP):
+                codes = b.load(gptr(c, g, nsc * 2), typ=i16)
+                codes.align = 1
+                for j in range(G):
                     d = u.splat(b, b.load(slot(c, g, j), typ=u.F32), 16)
-                    m = None if fmt == "q4_0" else u.splat(b, b.load(slot(c, g, GROUP + j),
-                                                                      typ=u.F32), 16)
-                    table = kq.table(b, iota, d, m)
+                    m = None if nsc == G else u.splat(b, b.load(slot(c, g, G + j),
+                                                                 typ=u.F32), 16)
+                    tables = [kq.table(b, iota, d, m) for iota in iotas]
                     halves = []
                     for h in range(2):
-                        sh = 8 * j + 4 * h
-                        idx = nib if sh == 0 else b.lshr(nib, u.const(i16, sh))
-                        halves.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16,
-                                                  [table, idx], types=[]))
-                    use(c, b.add(b.mul(g, u.i64(GROUP)), u.i64(j)), halves)
-    # the row's last nblk % GROUP blocks, as stored: staged like a stored row's (block(...))
-    _staged_range(b, key, w, rows, row_bytes, b.mul(groups, u.i64(GROUP)), nblk,
-                  b.gep(sbuf, [u.i64(len(rows) * SEG_GROUPS * 8)], source_etype=u.F32), block,
-                  lambda src: spread(src, nbytes), short=True)
+                        sh = bits * (2 * j + h)
+                        idx = codes if sh == 0 else b.lshr(codes, u.const(i16, sh))
+                        if bits == 4:
+                            halves.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16,
+                                                      [tables[0], idx], types=[]))
+                        else:
+                            halves.append(u.intrinsic(b, "llvm.x86.avx512.vpermi2var.ps.512",
+                                                      f16, [tables[0], idx, tables[1]],
+                                                      types=[]))
+                    use(c, b.add(b.mul(g, u.i64(G)), u.i64(j)), halves)
+    # the row's last nblk % G blocks, as stored: staged like a stored row's (block(...)),
+    # through a base that puts block kb of a row at row·row_bytes + kb·nbytes
+    tail = b.gep(w, [b.sub(b.mul(groups, u.i64(gbytes)), b.mul(groups, u.i64(G * nbytes)))],
+                 source_etype=u.I8)
+    _staged_range(b, key, tail, rows, row_bytes, b.mul(groups, u.i64(G)), nblk,
+                  b.gep(sbuf, [u.i64(len(rows) * SEG_GROUPS * 8)], source_etype=u.F32),
+                  partial(block, base=tail), lambda src: spread(src, nbytes), short=True)
 
 
 def _kquant_blocks(b, key, w, rows, row_bytes, nblk, ahead, kbufs, use):
@@ -354,7 +380,7 @@ class QuantGemvKey(KernelKey):
     table: bool = True   # q4_0 / q4_1 / q5_0 / q5_1 through tables (_lut_block), K-quants by
                          # the register decoders (quant_kgemv); False: the block decoders
     staged: bool = True  # scales converted per segment ahead (q4_0 / q4_1 with tables, q8_0)
-    interleaved: bool = False   # w in the interleaved layout (q4_0 / q4_1; _interleaved_blocks)
+    interleaved: bool = False   # w in the interleaved layout (q4 / q5; _interleaved_blocks)
     spread: bool = False        # prefetch as the item goes, not in one burst (long rows)
 
     def ir(self, symbol: str) -> str:
@@ -369,13 +395,19 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     x, w, y = (u.arg_ptr(b, args, i) for i in range(3))
     N, K, s_xm, per = (u.arg(b, args, i) for i in range(3, 7))
     nblk = b.sdiv(K, u.i64(bs))
-    row_bytes = b.mul(nblk, u.i64(nbytes))
+    inter = key.interleaved
+    if inter:
+        groups = b.sdiv(nblk, u.i64(GROUPS[key.fmt]))
+        row_bytes = b.add(b.mul(groups, u.i64(interleaved_scale_bytes(key.fmt) + 64)),
+                          b.mul(b.sub(nblk, b.mul(groups, u.i64(GROUPS[key.fmt]))),
+                                u.i64(nbytes)))
+    else:
+        row_bytes = b.mul(nblk, u.i64(nbytes))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
     lut = key.table and key.fmt in LUT_FORMATS and W == 16
     bufs = [_buffer(b, bs) for _ in range(CN)]
     fits = W == 16 and RM * bs // W <= X_REGS
-    inter = key.interleaved
     if inter and not (fits and key.fmt in INTERLEAVED):
         raise ValueError(f"quant_gemv: no interleaved layout for {key.fmt} at {RM} rows, "
                          f"{W} lanes")
@@ -395,8 +427,8 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                 for a in accs[r][c]:
                     b.store(u.const(u.vec(u.F32, W), 0.0), a)
 
-        def block(c, kb, dm=None):   # decode a block of row c and use it at once (registers)
-            src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
+        def block(c, kb, dm=None, base=w):   # decode a block of row c and use it at once
+            src = _block_ptr(b, base, rows[c], row_bytes, kb, nbytes)
             if dm is None:   # the block ahead: every line of a large one (q4_k .. q6_k)
                 _prefetch_ahead(b, src, ahead, range(0, nbytes, 64) if nbytes >= BIG_BLOCK
                                 else (0,))
