@@ -140,6 +140,8 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
                 theirs.append(hf(ids))
         if lcpp is not None:
             ggml.append(lcpp(ids))
+    flops = _prefill_flops(lms[0].model, len(ids))
+    rate = c.gemm_rate(threads)
     ctx.close()
     fp, fd = (float(np.median([o[k] for o in ours])) for k in (0, 1))
     out = []
@@ -159,7 +161,10 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
                        note=(f"{f_rate:.1f} tok/s vs {h_rate:.1f} tok/s" if h_rate else
                              f"{f_rate:.1f} tok/s") + ("" if target is not None else
                                                        "; opt-in, not the exact product: "
-                                                       "no target")))
+                                                       "no target")
+                       + (f"; {flops / 1e9:.2f} GFLOP of matrix work, "
+                          + c.bound_note(len(ids) / h_rate, flops, rate, "transformers")
+                          if k == 0 and h_rate else "")))
     if ggml:
         for k, what, f_rate in ((0, "prefill", fp), (1, "decode", fd)):
             l_rate = float(np.median([t[k] for t in ggml]))
@@ -169,6 +174,17 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
                            note=f"{f_rate:.1f} tok/s vs {l_rate:.1f} tok/s; no target: "
                                 f"llama.cpp for reference (torch column = llama.cpp)"))
     return out
+
+
+def _prefill_flops(model, n: int) -> float:
+    """Multiply-adds ×2 of a prefill of n tokens: every layer matrix against the n rows, the
+    causal attention products (QKᵀ and PV over the n(n+1)/2 visible pairs per head), the head
+    for the last row only (both sides compute only its logits)."""
+    cfg = model.config
+    mats = sum(t.numel for w in model.layers
+               for t in list(w.linear.values()) + [w.qkv] if t is not None)
+    attn = 2 * 2 * n * (n + 1) // 2 * cfg.heads * cfg.head_dim * len(model.layers)
+    return 2.0 * n * mats + attn + 2.0 * model.output.numel
 
 
 def _generate_all(lm, ids):
