@@ -60,6 +60,7 @@ PF_LOCALITY = 2      # the gemv's prefetches fill L2, not L1 (prefetcht1): on Ze
                      # 64.6 -> 42.9 ms, Gemma-3-270M 27.9 -> 22.5, SmolLM2 Q4_1 9.0 -> 8.4)
 PREFETCH_ITEMS = 4   # the gemv prefetches the rows of w this many items ahead
 SPREAD_BLOCKS = 24   # rows of at least this many blocks prefetch as the item goes (spread)
+SPREAD_BYTES_Q5 = 1536   # interleaved q5 rows: spread from this many bytes (see spreads)
 BIG_BLOCK = 128      # bytes from which a decoded block's every line is prefetched, not its first
                      # (streamed q6_k 2-2.7x, q4_k / q5_k ~20 % faster; below it the extra
                      # prefetches cost more in cache than they win from memory)
@@ -239,6 +240,19 @@ INTERLEAVED = ("q4_0", "q4_1", "q5_0", "q5_1")
 GROUPS = {"q4_0": 4, "q4_1": 4, "q5_0": 3, "q5_1": 3}   # blocks per interleaved group
 CODE_BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5}   # bits of a weight's code in a group
 SEG_GROUPS = 16         # groups whose scales an interleaved gemv converts ahead, per row
+
+
+def spreads(fmt: str, K: int, interleaved: bool) -> bool:
+    """Whether the gemv of a [.., K] weight prefetches as the item goes (QuantGemvKey.spread)
+    rather than in one burst per item: from SPREAD_BLOCKS blocks a row, or for interleaved
+    q5 rows from SPREAD_BYTES_Q5 bytes. Streamed from memory (1 thread, Zen 4) the
+    interleaved q5_0 rows of K = 896 / 1152 / 1536 run 2.44 / 2.51 / 2.62 ns a block with
+    the burst and 2.96 / 2.96 / 2.82 spread, K = 2304 / 4864 2.82 / 3.11 burst and 2.53 /
+    2.61 spread; the stored rows and interleaved q4 ones (K = 896: 1.92 spread, 2.18
+    burst) gain from spreading from 24 blocks."""
+    if interleaved and fmt in ("q5_0", "q5_1"):
+        return interleaved_row_bytes(fmt, K) >= SPREAD_BYTES_Q5
+    return K // FORMATS[fmt][0] >= SPREAD_BLOCKS
 
 
 def interleaved_scale_bytes(fmt: str) -> int:

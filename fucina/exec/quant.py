@@ -304,7 +304,7 @@ def _mm_plan(x, w, interleaved: bool = False) -> "mm.Plan":
             items = -(-N // cols)
             per = max(1, GEMV_WORK // (cols * K))
             key = QuantGemvKey(w.dtype, rows, cols, interleaved=interleaved,
-                               spread=K // BLOCKS[w.dtype][0] >= quant_gemm.SPREAD_BLOCKS)
+                               spread=quant_gemm.spreads(w.dtype, K, interleaved))
             plan.steps.append((kernels.get(key), -(-items // per),
                                w.lay.nbytes + rows * (K + N) * 4,
                                ((mm.A, m0 * s_xm * 4), (mm.B, 0), (mm.C, m0 * N * 4)),
