@@ -183,6 +183,29 @@ def test_for_matvec_gives_the_same_bits(ctx1, ctx2, fmt, N, K):
     assert_bitwise(got[0], got[1])
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
+def test_for_matvec_on_any_bytes(ctx1, fmt):
+    """Blocks of random bytes (every nibble and high-bit pattern; finite f16 scales and mins of
+    magnitudes 1e-7 .. 1e3, subnormals included) through the interleaved copy: one to 8 rows
+    of x give the stored layout's bits, for burst (K = 896) and spread prefetch (K = 2304)
+    and odd N (an item past N's edge)."""
+    rng = np.random.default_rng(11)
+    bs, nbytes = FORMATS[fmt]
+    for N, K in ((13, 896), (7, 2304)):
+        nblk = N * K // bs
+        raw = rng.integers(0, 256, (nblk, nbytes), dtype=np.uint8)
+        for off in (0, 2) if fmt in ("q4_1", "q5_1") else (0,):
+            h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
+            raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
+        q = fu.Tensor(xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt), ("o", "i"))
+        qi = q.for_matvec()
+        for M in (1, 2, 5, 8):
+            x = ctx1.tensor(rnd(M, K), ("s", "i"))
+            want = x.dot(q, "i").numpy()
+            assert np.isfinite(want).all()
+            assert_bitwise(x.dot(qi, "i").numpy(), want)
+
+
 def test_for_matvec_leaves_other_tensors(ctx1):
     """Other block formats and dense tensors have no interleaved layout: returned as they are."""
     q, _ = qweight(ctx1, 8, 256, "q4_k")
