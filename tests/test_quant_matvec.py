@@ -183,6 +183,55 @@ def test_for_matvec_gives_the_same_bits(ctx1, ctx2, fmt, N, K):
     assert_bitwise(got[0], got[1])
 
 
+def interleaved_reference(raw: np.ndarray, fmt: str, N: int, K: int) -> np.ndarray:
+    """The interleaved layout's bytes (codegen/quant_gemm.py, _interleaved_blocks) by numpy:
+    per group [G d's][G m's][16 dwords, lane j: the codes of weights j and 16 + j of block g
+    at bits CODE_BITS·(2g + half)], then the row's last blocks as stored."""
+    from fucina.codegen import quant_gemm as qg
+    bs, nb = FORMATS[fmt]
+    nblk = K // bs
+    G, bits = qg.GROUPS[fmt], qg.CODE_BITS[fmt]
+    groups = nblk // G
+    src = raw.reshape(N, nblk, nb)
+    grp = src[:, :groups * G].reshape(N, groups, G, nb).astype(np.uint32)
+    heads = 4 if fmt in ("q4_1", "q5_1") else 2
+    qs = grp[..., nb - 16:]
+    if bits == 5:
+        qh = grp[..., heads] | grp[..., heads + 1] << 8 | grp[..., heads + 2] << 16 | \
+            grp[..., heads + 3] << 24
+    j = np.arange(16, dtype=np.uint32)
+    lanes = np.zeros((N, groups, 16), np.uint32)
+    for blk in range(G):
+        for half in range(2):
+            code = (qs[:, :, blk] >> (4 * half)) & 15
+            if bits == 5:
+                code |= ((qh[:, :, blk, None] >> (16 * half + j)) & 1) << 4
+            lanes |= code << (bits * (2 * blk + half))
+    parts = [src[:, :groups * G].reshape(N, groups, G, nb)[..., 2 * h:2 * h + 2]
+             .reshape(N, groups, 2 * G) for h in range(heads // 2)]
+    parts.append(lanes.astype("<u4").view(np.uint8).reshape(N, groups, 64))
+    body = np.concatenate(parts, axis=2).reshape(N, -1)
+    return np.concatenate([body, src[:, groups * G:].reshape(N, -1)], axis=1)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
+def test_interleave_kernel_writes_the_layout(ctx1, ctx2, fmt):
+    """QuantInterleaveKey's bytes are the layout's (a numpy transcription), at 1 and 2 threads,
+    for rows with and without tail blocks and fewer blocks than a group."""
+    from fucina.exec.quant import interleaves
+    rng = np.random.default_rng(5)
+    bs, nbytes = FORMATS[fmt]
+    for N, K in ((37, 896), (5, 2304), (3, 32), (300, 640)):
+        raw = rng.integers(0, 256, (N * K // bs, nbytes), dtype=np.uint8)
+        want = interleaved_reference(raw, fmt, N, K)
+        for c in (ctx1, ctx2):
+            w = xq.from_bytes(c, raw.tobytes(), (N, K), fmt)
+            if not interleaves(w):
+                pytest.skip("no interleaved layout on this host (AVX-512)")
+            got = xq.interleave(c, w).gemv.storage_view().view(np.uint8).reshape(N, -1)
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
 def test_for_matvec_on_any_bytes(ctx1, fmt):
     """Blocks of random bytes (every nibble and high-bit pattern; finite f16 scales and mins of

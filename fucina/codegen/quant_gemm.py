@@ -33,6 +33,8 @@ materialised in memory as a whole. So each weight the matmul multiplies is bitwi
               out of range (the host turns it into IndexOutOfBounds).
   quant_copy  equal-length byte segments copied between strided places (concat of quantized
               tensors along a row axis is whole rows of blocks moved).
+  quant_interleave  rows of q4 / q5 blocks rewritten in the gemv's interleaved layout, once
+              per weight (Tensor.for_matvec, when a model is loaded for serving).
 
 Argument blocks are documented at each key.
 """
@@ -267,6 +269,74 @@ def interleaved_row_bytes(fmt: str, K: int) -> int:
     nblk = K // bs
     groups = nblk // GROUPS[fmt]
     return groups * (interleaved_scale_bytes(fmt) + 64) + (nblk - groups * GROUPS[fmt]) * nbytes
+
+
+@register
+@dataclass(frozen=True)
+class QuantInterleaveKey(KernelKey):
+    """Rows of fmt blocks rewritten in the gemv's interleaved layout (_interleaved_blocks):
+    per group of G blocks the G d's, the G m's (q4_1 / q5_1), then 16 dwords, lane j holding
+    the codes of weights j and 16 + j of each block g at bits CODE_BITS·(2g + half) (q4: the
+    qs byte j of block g at byte g; q5: the nibble with its qh bit above it); the row's
+    last blocks copied as they are.
+
+    Arguments: 0 src (blocks [N, K]), 1 dst (interleaved_row_bytes(fmt, K) a row), 2 N,
+    3 K, 4 rows per chunk."""
+
+    family = "quant_interleave"
+    fmt: str
+
+    def ir(self, symbol: str) -> str:
+        mod, b, args, c0, c1 = u.kernel(symbol)
+        src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+        N, K, per = (u.arg(b, args, i) for i in range(2, 5))
+        bs, nb = FORMATS[self.fmt]
+        G, bits = GROUPS[self.fmt], CODE_BITS[self.fmt]
+        heads = 4 if self.fmt in ("q4_1", "q5_1") else 2     # d (and m) open each block
+        gbytes = interleaved_scale_bytes(self.fmt) + 64
+        i16 = ir.VectorType(u.I32, 16)
+        nblk = b.sdiv(K, u.i64(bs))
+        groups = b.sdiv(nblk, u.i64(G))
+        src_row = b.mul(nblk, u.i64(nb))
+        tail = b.mul(b.sub(nblk, b.mul(groups, u.i64(G))), u.i64(nb))
+        dst_row = b.add(b.mul(groups, u.i64(gbytes)), tail)
+
+        def at(base, off):
+            return b.gep(base, [off], source_etype=u.I8)
+
+        with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), N), 1, "r") as r:
+            sr, dr = at(src, b.mul(r, src_row)), at(dst, b.mul(r, dst_row))
+            with u.Loop(b, u.i64(0), groups, 1, "g") as g:
+                sg = at(sr, b.mul(g, u.i64(G * nb)))
+                dg = at(dr, b.mul(g, u.i64(gbytes)))
+                lanes = u.const(i16, 0)
+                for blk in range(G):
+                    sb = at(sg, u.i64(blk * nb))
+                    for h in range(heads // 2):    # d to slot blk, m to slot G + blk
+                        v = b.load(at(sb, u.i64(2 * h)), typ=u.I16)
+                        v.align = 1
+                        b.store(v, at(dg, u.i64(2 * (h * G + blk)))).align = 1
+                    qs = b.load(at(sb, u.i64(nb - 16)), typ=ir.VectorType(u.I8, 16))
+                    qs.align = 1
+                    q = b.zext(qs, i16)
+                    if bits == 4:   # byte j of block blk at byte blk of lane j
+                        lanes = b.or_(lanes, b.shl(q, u.const(i16, 8 * blk)))
+                        continue
+                    qh = b.load(at(sb, u.i64(heads)), typ=u.I32)
+                    qh.align = 1
+                    qh = u.splat(b, qh, 16)
+                    for half, nib in enumerate((b.and_(q, u.const(i16, 15)),
+                                                b.lshr(q, u.const(i16, 4)))):
+                        hb = b.lshr(qh, ir.Constant(i16, [16 * half + j for j in range(16)]))
+                        code = b.or_(nib, b.shl(b.and_(hb, u.const(i16, 1)), u.const(i16, 4)))
+                        lanes = b.or_(lanes, b.shl(code, u.const(i16, bits * (2 * blk + half))))
+                st = b.store(lanes, at(dg, u.i64(interleaved_scale_bytes(self.fmt))))
+                st.align = 1
+            so, do = at(sr, b.mul(groups, u.i64(G * nb))), at(dr, b.mul(groups, u.i64(gbytes)))
+            with u.Loop(b, u.i64(0), tail, 1, "t") as t:
+                b.store(b.load(at(so, t), typ=u.I8), at(do, t))
+        b.ret_void()
+        return str(mod)
 
 
 def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block):
