@@ -13,7 +13,8 @@ first new token; decode = the following tokens / their time. Runs alternate (Fuc
 transformers, ...), medians of the runs. The warm-up call leaves each LM its decode plan
 (recorded steps replayed from C, fucina/exec/plan.py), as a serving process has it after its
 first reply. SmolLM2's decode is also measured with `matvec="q8"` (8-bit activation rows,
-integer dots; opt-in: not the exact product).
+integer dots; opt-in: not the exact product). Each prefill row gives its matrix work and the
+bound on this host: transformers' prefill time over that work at our 1024³ f32 GEMM rate.
 
 When `llama_cpp` (llama-cpp-python, built from its source package for this CPU; never in CI)
 is importable, llama.cpp serves the same file with the same token ids in the same alternation
