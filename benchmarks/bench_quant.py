@@ -212,8 +212,9 @@ def _matvec(threads: int, quick: bool) -> list[dict]:
                 xa = rng.standard_normal((1, K)).astype(np.float32)
                 x = ctx.tensor(xa, ("tok", "in"))
                 layouts = [("", q)]
-                if N < 10000 and q.for_matvec() is not q:   # serving's layout (fu.llm.load)
-                    layouts.append((", for_matvec layout", q.for_matvec()))
+                qi = q.for_matvec() if N < 10000 else q
+                if qi is not q:   # serving's layout (fu.llm.load)
+                    layouts.append((", for_matvec layout", qi))
                 for label, w in layouts:
                     out.append(_matvec_row(threads, quick, torch, bw, x, xa, w, q, fmt, N, K,
                                            label))

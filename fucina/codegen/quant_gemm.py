@@ -90,6 +90,35 @@ def _buffer(b, floats):
 LUT_FORMATS = ("q4_0", "q4_1")   # the K-quants decode by quant_kgemv
 
 
+HEADS = {"q4_0": 2, "q4_1": 4, "q5_0": 2, "q5_1": 4}   # bytes of f16 d (and m) opening a block
+
+
+def _code_values(fmt, t=0):
+    """The 16 values codes 16t .. 16t + 15 stand for before scaling, as the decoder takes them
+    (q − 8, q4_0; q − 16, q5_0; q itself with a min): a table's arguments (kq.table)."""
+    offset = {"q4_0": 8, "q5_0": 16}.get(fmt, 0)
+    return ir.Constant(ir.VectorType(u.F32, 16), [float(16 * t + q - offset) for q in range(16)])
+
+
+def _q5_indices(b, src, fmt):
+    """A q5_0 / q5_1 block's two 16-lane index vectors (weights 0-15, 16-31): the nibble with
+    bit j of qh as its fifth bit (a test-under-mask and a masked or)."""
+    i16 = ir.VectorType(u.I32, 16)
+    qh = b.load(b.gep(src, [u.i64(HEADS[fmt])], source_etype=u.I8), typ=u.I32)
+    qh.align = 1
+    qh = u.splat(b, qh, 16)
+    qs = b.load(b.gep(src, [u.i64(HEADS[fmt] + 4)], source_etype=u.I8),
+                typ=ir.VectorType(u.I8, 16))
+    qs.align = 1
+    q = b.zext(qs, i16)
+    out = []
+    for h, nib in enumerate((b.and_(q, u.const(i16, 15)), b.lshr(q, u.const(i16, 4)))):
+        bit = ir.Constant(i16, [1 << (16 * h + j) for j in range(16)])
+        high = b.icmp_unsigned("!=", b.and_(qh, bit), u.const(i16, 0))
+        out.append(b.select(high, b.or_(nib, u.const(i16, 16)), nib))
+    return out
+
+
 def _lut_block(b, src, fmt, dm=None):
     """A q4_0 / q4_1 block as two 16-lane f32 vectors (elements 0-15, 16-31), decoded through
     a table of the 16 values a nibble can take, built with the decoder's own arithmetic
@@ -115,52 +144,22 @@ def _lut_block(b, src, fmt, dm=None):
     else:       # d and m converted together (one load, one vcvtph2ps), then each broadcast
         pair = b.fpext(_load_dm(b, src), ir.VectorType(u.F32, 2))
         d, m = (b.shuffle_vector(pair, pair, ir.Constant(i16, [k] * 16)) for k in (0, 1))
-    if fmt == "q4_0":
-        table = kq.table(b, ir.Constant(f16, [float(q - 8) for q in range(16)]), d)
-        qoff = 2
-    else:
-        table = kq.table(b, ir.Constant(f16, [float(q) for q in range(16)]), d, m)
-        qoff = 4
-    qs = b.load(b.gep(src, [u.i64(qoff)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
+    table = kq.table(b, _code_values(fmt), d, None if fmt == "q4_0" else m)
+    qs = b.load(b.gep(src, [u.i64(HEADS[fmt])], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
     qs.align = 1
     q = b.zext(qs, i16)
-    out = []
-    for idx in (q, b.lshr(q, u.const(i16, 4))):   # the permute reads an index's low 4 bits
-        out.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16, [table, idx], types=[]))
-    return out
+    # the permute reads an index's low 4 bits
+    return [kq.permute(b, table, idx) for idx in (q, b.lshr(q, u.const(i16, 4)))]
 
 
 def _lut_q5(b, src, fmt, dm):
     """A q5_0 / q5_1 block (staged scales) as two 16-lane vectors through a 32-value table
-    in two registers, (q − 16)·d or q·d + m built as the decoder computes them: the 5-bit
-    index is the nibble with bit j of qh as its fifth bit (a test-under-mask and a masked
-    or), one two-register permute per 16 weights."""
-    f16 = ir.VectorType(u.F32, 16)
-    i16 = ir.VectorType(u.I32, 16)
+    in two registers, (q − 16)·d or q·d + m built as the decoder computes them: one
+    two-register permute per 16 weights of the 5-bit indices (_q5_indices)."""
     d = u.splat(b, dm[0], 16)
-    tables = []
-    for t in range(2):
-        if fmt == "q5_0":
-            tables.append(kq.table(b, ir.Constant(f16, [float(16 * t + q - 16) for q in range(16)]),
-                                 d))
-        else:
-            tables.append(kq.table(b, ir.Constant(f16, [float(16 * t + q) for q in range(16)]),
-                                 d, u.splat(b, dm[1], 16)))
-    qh_off, qs_off = (2, 6) if fmt == "q5_0" else (4, 8)
-    qh = b.load(b.gep(src, [u.i64(qh_off)], source_etype=u.I8), typ=u.I32)
-    qh.align = 1
-    qh = u.splat(b, qh, 16)
-    qs = b.load(b.gep(src, [u.i64(qs_off)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
-    qs.align = 1
-    q = b.zext(qs, i16)
-    out = []
-    for h, nib in enumerate((b.and_(q, u.const(i16, 15)), b.lshr(q, u.const(i16, 4)))):
-        bit = ir.Constant(i16, [1 << (16 * h + j) for j in range(16)])
-        high = b.icmp_unsigned("!=", b.and_(qh, bit), u.const(i16, 0))
-        idx = b.select(high, b.or_(nib, u.const(i16, 16)), nib)
-        out.append(u.intrinsic(b, "llvm.x86.avx512.vpermi2var.ps.512", f16,
-                               [tables[0], idx, tables[1]], types=[]))
-    return out
+    m = u.splat(b, dm[1], 16) if fmt == "q5_1" else None
+    lo, hi = (kq.table(b, _code_values(fmt, t), d, m) for t in range(2))
+    return [kq.permute2(b, lo, hi, idx) for idx in _q5_indices(b, src, fmt)]
 
 
 def _load_dm(b, src):
@@ -259,7 +258,16 @@ def spreads(fmt: str, K: int, interleaved: bool) -> bool:
 
 def interleaved_scale_bytes(fmt: str) -> int:
     """Bytes of f16 scales that open an interleaved group: its d's, then its m's (q4_1, q5_1)."""
-    return GROUPS[fmt] * 2 * (2 if fmt in ("q4_1", "q5_1") else 1)
+    return GROUPS[fmt] * HEADS[fmt]
+
+
+def _interleaved_row_ir(b, fmt, nblk):
+    """(groups, bytes of a row) of a row of nblk blocks in the interleaved layout, in IR
+    (interleaved_row_bytes at run time)."""
+    G, nbytes = GROUPS[fmt], FORMATS[fmt][1]
+    groups = b.sdiv(nblk, u.i64(G))
+    tail = b.mul(b.sub(nblk, b.mul(groups, u.i64(G))), u.i64(nbytes))
+    return groups, b.add(b.mul(groups, u.i64(interleaved_scale_bytes(fmt) + 64)), tail)
 
 
 def interleaved_row_bytes(fmt: str, K: int) -> int:
@@ -290,16 +298,15 @@ class QuantInterleaveKey(KernelKey):
         mod, b, args, c0, c1 = u.kernel(symbol)
         src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
         N, K, per = (u.arg(b, args, i) for i in range(2, 5))
-        bs, nb = FORMATS[self.fmt]
-        G, bits = GROUPS[self.fmt], CODE_BITS[self.fmt]
-        heads = 4 if self.fmt in ("q4_1", "q5_1") else 2     # d (and m) open each block
-        gbytes = interleaved_scale_bytes(self.fmt) + 64
+        fmt = self.fmt
+        bs, nb = FORMATS[fmt]
+        G, bits = GROUPS[fmt], CODE_BITS[fmt]
+        gbytes = interleaved_scale_bytes(fmt) + 64
         i16 = ir.VectorType(u.I32, 16)
         nblk = b.sdiv(K, u.i64(bs))
-        groups = b.sdiv(nblk, u.i64(G))
+        groups, dst_row = _interleaved_row_ir(b, fmt, nblk)
         src_row = b.mul(nblk, u.i64(nb))
-        tail = b.mul(b.sub(nblk, b.mul(groups, u.i64(G))), u.i64(nb))
-        dst_row = b.add(b.mul(groups, u.i64(gbytes)), tail)
+        tail = b.sub(src_row, b.mul(groups, u.i64(G * nb)))
 
         def at(base, off):
             return b.gep(base, [off], source_etype=u.I8)
@@ -312,25 +319,18 @@ class QuantInterleaveKey(KernelKey):
                 lanes = u.const(i16, 0)
                 for blk in range(G):
                     sb = at(sg, u.i64(blk * nb))
-                    for h in range(heads // 2):    # d to slot blk, m to slot G + blk
+                    for h in range(HEADS[fmt] // 2):    # d to slot blk, m to slot G + blk
                         v = b.load(at(sb, u.i64(2 * h)), typ=u.I16)
                         v.align = 1
                         b.store(v, at(dg, u.i64(2 * (h * G + blk)))).align = 1
-                    qs = b.load(at(sb, u.i64(nb - 16)), typ=ir.VectorType(u.I8, 16))
-                    qs.align = 1
-                    q = b.zext(qs, i16)
                     if bits == 4:   # byte j of block blk at byte blk of lane j
-                        lanes = b.or_(lanes, b.shl(q, u.const(i16, 8 * blk)))
+                        qs = b.load(at(sb, u.i64(HEADS[fmt])), typ=ir.VectorType(u.I8, 16))
+                        qs.align = 1
+                        lanes = b.or_(lanes, b.shl(b.zext(qs, i16), u.const(i16, 8 * blk)))
                         continue
-                    qh = b.load(at(sb, u.i64(heads)), typ=u.I32)
-                    qh.align = 1
-                    qh = u.splat(b, qh, 16)
-                    for half, nib in enumerate((b.and_(q, u.const(i16, 15)),
-                                                b.lshr(q, u.const(i16, 4)))):
-                        hb = b.lshr(qh, ir.Constant(i16, [16 * half + j for j in range(16)]))
-                        code = b.or_(nib, b.shl(b.and_(hb, u.const(i16, 1)), u.const(i16, 4)))
+                    for half, code in enumerate(_q5_indices(b, sb, fmt)):
                         lanes = b.or_(lanes, b.shl(code, u.const(i16, bits * (2 * blk + half))))
-                st = b.store(lanes, at(dg, u.i64(interleaved_scale_bytes(self.fmt))))
+                st = b.store(lanes, at(dg, u.i64(interleaved_scale_bytes(fmt))))
                 st.align = 1
             so, do = at(sr, b.mul(groups, u.i64(G * nb))), at(dr, b.mul(groups, u.i64(gbytes)))
             with u.Loop(b, u.i64(0), tail, 1, "t") as t:
@@ -359,14 +359,11 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
     fmt = key.fmt
     _, nbytes = FORMATS[fmt]
     G, bits = GROUPS[fmt], CODE_BITS[fmt]
-    f16 = ir.VectorType(u.F32, 16)
     i16 = ir.VectorType(u.I32, 16)
     nsc = interleaved_scale_bytes(fmt) // 2
     gbytes = nsc * 2 + 64
     groups = b.sdiv(nblk, u.i64(G))
-    offset = {"q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0}[fmt]
-    iotas = [ir.Constant(f16, [float(16 * t + q - offset) for q in range(16)])
-             for t in range(bits - 3)]
+    iotas = [_code_values(fmt, t) for t in range(bits - 3)]
     if not key.spread:
         _prefetch_rows(b, w, rows, row_bytes, ahead)
 
@@ -406,13 +403,8 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
                     for h in range(2):
                         sh = bits * (2 * j + h)
                         idx = codes if sh == 0 else b.lshr(codes, u.const(i16, sh))
-                        if bits == 4:
-                            halves.append(u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", f16,
-                                                      [tables[0], idx], types=[]))
-                        else:
-                            halves.append(u.intrinsic(b, "llvm.x86.avx512.vpermi2var.ps.512",
-                                                      f16, [tables[0], idx, tables[1]],
-                                                      types=[]))
+                        halves.append(kq.permute(b, tables[0], idx) if bits == 4 else
+                                      kq.permute2(b, tables[0], tables[1], idx))
                     use(c, b.add(b.mul(g, u.i64(G)), u.i64(j)), halves)
     # the row's last nblk % G blocks, as stored: staged like a stored row's (block(...)),
     # through a base that puts block kb of a row at row·row_bytes + kb·nbytes
@@ -480,13 +472,8 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     N, K, s_xm, per = (u.arg(b, args, i) for i in range(3, 7))
     nblk = b.sdiv(K, u.i64(bs))
     inter = key.interleaved
-    if inter:
-        groups = b.sdiv(nblk, u.i64(GROUPS[key.fmt]))
-        row_bytes = b.add(b.mul(groups, u.i64(interleaved_scale_bytes(key.fmt) + 64)),
-                          b.mul(b.sub(nblk, b.mul(groups, u.i64(GROUPS[key.fmt]))),
-                                u.i64(nbytes)))
-    else:
-        row_bytes = b.mul(nblk, u.i64(nbytes))
+    row_bytes = (_interleaved_row_ir(b, key.fmt, nblk)[1] if inter else
+                 b.mul(nblk, u.i64(nbytes)))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
     lut = key.table and key.fmt in LUT_FORMATS and W == 16

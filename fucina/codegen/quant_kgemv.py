@@ -103,12 +103,12 @@ def _merge(b, low, high, mask):
                        [low, high, u.const(I16V, mask), ir.Constant(u.I32, imm)], types=[])
 
 
-def _permute(b, table, idx):
+def permute(b, table, idx):
     """table[idx & 15] per lane (vpermps: it reads an index's low 4 bits only)."""
     return u.intrinsic(b, "llvm.x86.avx512.permvar.sf.512", F16V, [table, idx], types=[])
 
 
-def _permute2(b, lo, hi, idx):
+def permute2(b, lo, hi, idx):
     """(lo ++ hi)[idx & 31] per lane (vpermi2ps: it reads an index's low 5 bits only)."""
     return u.intrinsic(b, "llvm.x86.avx512.vpermi2var.ps.512", F16V, [lo, idx, hi], types=[])
 
@@ -219,7 +219,7 @@ class Q4K(_Decoder):
 
     def vector(self, v):
         idx, sub = self.nibble(v)
-        return _permute(self.b, self.table(sub), idx)
+        return permute(self.b, self.table(sub), idx)
 
 
 class Q5K(Q4K):
@@ -258,7 +258,7 @@ class Q5K(Q4K):
         p, i = divmod(r, 2)
         idx = _codes(self.b, self._merged(c // 2, p), 8 * (2 * (c % 2) + i))
         lo, hi = self.table(2 * c + p)
-        return _permute2(self.b, lo, hi, idx)
+        return permute2(self.b, lo, hi, idx)
 
 
 class Q2K(_Decoder):
@@ -285,7 +285,7 @@ class Q2K(_Decoder):
         h, r = divmod(v, 8)
         j, p = divmod(r, 2)
         code = _codes(self.b, self.q, 8 * (2 * h + p) + 2 * j - 2)   # the 2 bits -> bits 2-3
-        return _permute(self.b, self.tables[t], _merge(self.b, u.const(I16V, v % 4), code, 3))
+        return permute(self.b, self.tables[t], _merge(self.b, u.const(I16V, v % 4), code, 3))
 
 
 class Q3K(_Decoder):
@@ -322,7 +322,7 @@ class Q3K(_Decoder):
             self.tables[v0] = table(self.b, _iota([k // 2 - 4 for k in range(16)]),
                                     self._bcast(v0, 2))
         idx = _codes(self.b, self._merged(j), 8 * (2 * h + p))
-        return _permute(self.b, self.tables[v0], idx)
+        return permute(self.b, self.tables[v0], idx)
 
 
 class Q6K(_Decoder):
