@@ -110,3 +110,28 @@ def test_bad_labels_are_named_at_their_position(files, ctx1):
     labels[35] = model.config.vocab
     with ctx1.exec_scope(), pytest.raises(fu.errors.IndexOutOfBounds, match="position 35"):
         tr.loss(tokens, labels)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.parametrize("reward", ["acc", "nll"])
+def test_es_rewards_on_supervised_rows_keep_the_bytes(tmp_path, monkeypatch, mode, reward):
+    """es-finetune scores its members on the supervised positions' logits: the trained
+    adapters (or weights) are the bytes of the run with the whole head."""
+    from fucina.cli import es_finetune as ef
+    path = build_tiny_model(tmp_path / "tiny.gguf", seed=9)
+    used = []
+
+    def spy(ignored):
+        rows = train.head_rows(ignored)
+        used.append(rows is not None)
+        return rows
+    out = {}
+    for name, rows_fn in (("rows", spy), ("full", lambda ignored: None)):
+        monkeypatch.setattr(ef, "head_rows", rows_fn)
+        save = tmp_path / name
+        r = ef.run(ef.Options(model=path, save=str(save), iterations=2, population=4, batch=2,
+                              reward=reward, mode=mode, threads=1), out=lambda _: None)
+        out[name] = (r.rewards, sorted((p.name, p.read_bytes()) for p in save.iterdir()))
+    assert any(used)
+    assert out["rows"][1] and out["rows"] == out["full"]
+    assert len(set(out["rows"][0])) > 1     # the rewards move: the members were told apart

@@ -7,7 +7,7 @@ LoRA trainer.
 """
 from .config import ARCHITECTURES, Config, UnsupportedModel
 from .model import LINEARS, Layer, Model, Ropes
-from .train import DROPOUT_SALT, IGNORE_INDEX, TARGETS, Targets, Trainer
+from .train import DROPOUT_SALT, IGNORE_INDEX, TARGETS, Targets, Trainer, head_rows
 
 __all__ = ["Config", "UnsupportedModel", "ARCHITECTURES", "Model", "Layer", "LINEARS", "Ropes",
-           "Trainer", "Targets", "TARGETS", "IGNORE_INDEX", "DROPOUT_SALT"]
+           "Trainer", "Targets", "TARGETS", "IGNORE_INDEX", "DROPOUT_SALT", "head_rows"]

@@ -292,14 +292,15 @@ class Model:
             logits = logits.scale(1.0 / c.final_softcap).tanh().scale(c.final_softcap)
         return logits
 
-    def forward_logits(self, tokens) -> Tensor:
-        """The plain model (no adapters): logits [seq, vocab] for positions 0 .. len - 1."""
+    def forward_logits(self, tokens, rows=None) -> Tensor:
+        """The plain model (no adapters): logits [seq, vocab] for positions 0 .. len - 1, or
+        for the positions `rows` only (increasing, e.g. decoder.train.head_rows')."""
         tokens = check_tokens("decoder.Model.forward_logits", tokens, self.config.vocab)
         table = self.rope_table(0, len(tokens))
         x = self.embed(tokens)
         for l in range(self.config.num_layers):
             x = self.layer(l, x, table)
-        return self.head(x)
+        return self.head(x if rows is None else x.gather("seq", rows, "seq"))
 
 
 def check_tokens(op: str, tokens, vocab: int) -> np.ndarray:

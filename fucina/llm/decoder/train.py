@@ -203,9 +203,10 @@ class Trainer:
         L = self.model.config.num_layers
         return {n: at(salt, (step * L + layer) * 7 + TARGETS.index(n)) for n in self.adapters[layer]}
 
-    def forward_logits(self, tokens, step: int | None) -> Tensor:
+    def forward_logits(self, tokens, step: int | None, rows=None) -> Tensor:
         """Logits [seq, vocab] ("seq", "vocab") with every adapter applied; step None = eval (no
-        dropout). Under gradients it needs an open exec scope (ExecScopeRequired)."""
+        dropout); only the positions `rows` (increasing, e.g. head_rows') when given. Under
+        gradients it needs an open exec scope (ExecScopeRequired)."""
         op = "decoder.Trainer.forward_logits"
         self._need_scope(op)
         tokens = check_tokens(op, tokens, self.model.config.vocab)
@@ -213,7 +214,7 @@ class Trainer:
                                  or step < 0):
             raise TypeError(f"{op}: expected step as an int >= 0 or None (eval), got {step!r}")
         with self.model.ctx.graph_scope():
-            logits = self._logits(tokens, step)
+            logits = self._logits(tokens, step, rows=rows)
         return logits._to_scope()
 
     def _need_scope(self, op: str) -> None:
