@@ -773,3 +773,58 @@ def test_a_read_in_place_keeps_the_bits(shape, tb, monkeypatch):
     mm._plans.clear()
     assert_bitwise(outs[0], outs[1])
     np.testing.assert_allclose(outs[1][0], _ref(A[:, :K], B), rtol=0, atol=_tol(A, B))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["packed", "direct-b"])
+@pytest.mark.parametrize("ta,tb", ORIENT, ids=["nn", "tn", "nt", "tt"])
+def test_edge_rows_keep_their_chains(direct, ta, tb, monkeypatch):
+    """The last panel of rows runs a micro-tile of EDGE_ROWS rows (M = 50: 6 x 8 + 2): every
+    element is still the FMA chain of the rowvec kernel (an independent emitter), for each
+    edge size, over several KC blocks, with scale and accumulate, at 1 and 2 threads."""
+    from fucina.codegen import gemm as g
+    rng = np.random.default_rng(5)
+    K, N = 600, 70
+    for M in range(1, 2 * g.mr() + 2):
+        A, B, C0 = _data(rng, M, K), _data(rng, K, N), _data(rng, M, N)
+        outs = {}
+        for route in ("rowvec", "tile"):
+            mm._plans.clear()
+            if route == "tile":
+                _route(monkeypatch, direct)
+            else:
+                monkeypatch.setattr(mm, "RV_MAX_B", 1 << 40)
+            for th in (1, 2):
+                with fu.ExecContext(threads=th) as ctx:
+                    a, b = _operand(ctx, A, ta), _operand(ctx, B, tb)
+                    if route == "rowvec" and not mm.path_of(a, b).startswith("rowvec"):
+                        b = _operand(ctx, B, False)    # rowvec reads b along n
+                    c = ctx.from_numpy(C0)
+                    gemm(ctx, a, b, out=c, accumulate=True, scale=0.75)
+                    outs.setdefault(route, []).append((gemm(ctx, a, b).to_numpy(), c.to_numpy()))
+                    want = "packed" + (" direct-b" if direct and _direct_applies(M, K) else "")
+                    assert mm.path_of(a, b).startswith("rowvec" if route == "rowvec" else want)
+            monkeypatch.undo()
+        for got in outs["tile"] + outs["rowvec"][1:]:
+            for x, y in zip(got, outs["rowvec"][0]):
+                assert_bitwise(x, y)
+    mm._plans.clear()
+
+
+def test_edge_rows_have_their_micro_tiles():
+    """The tile kernel holds one inner loop per micro-tile height: MR and each EDGE_ROWS size,
+    NR/16 x UNROLL zmm FMAs per row."""
+    from fucina.codegen import gemm as g
+    from fucina.codegen.jit import assembly
+    from fucina.codegen.target import host
+    if host().vector_bits < 512:
+        pytest.skip("the FMA counts below are those of 16-lane vectors")
+    asm = assembly(g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL).ir("k")).splitlines()
+    labels = {ln.strip()[:-1]: i for i, ln in enumerate(asm)
+              if ln.startswith(".LBB") and ln.rstrip().endswith(":")}
+    counts = set()
+    for j, ln in enumerate(asm):
+        parts = ln.split()
+        if len(parts) == 2 and parts[0].startswith("j") and labels.get(parts[1], j) < j:
+            counts.add(sum("vfmadd" in x for x in asm[labels[parts[1]]:j + 1]))
+    per_row = g.NR_VECS * g.UNROLL
+    assert {r * per_row for r in (g.mr(), *g.EDGE_ROWS)} <= counts

@@ -15,7 +15,8 @@ with arbitrary element strides and computes a contiguous f32 c[batch, M, N]. Thr
              block in increasing order, for each NR panel of the tile's columns, for each MR
              panel of its rows: MR x NR accumulators (MR * NR/W vector registers; 8 x 2 zmm on
              AVX-512, FMAs with broadcasts from packed A — or from A's rows in place, a_rows —
-             and vector loads from packed B) run one FMA chain per output element over k in
+             and vector loads from packed B; the last panel of rows runs the smallest
+             EDGE_ROWS-row micro-tile that covers it) run one FMA chain per output element over k in
              increasing order, starting from the partial sum of the previous KC block
              (reloaded from memory: storing and reloading an f32 does not change it). So
              every c[i, j] = fma(a[i,K-1], b[K-1,j], ... fma(a[i,0], b[0,j], 0)) in that
@@ -63,6 +64,8 @@ NR_VECS = 2      # vectors across the micro-tile (NR = NR_VECS * lanes columns)
 KC = 256         # k block: a KC x NR panel of B stays in L1 across the MR panels of A (and
                  # fits the stack buffer the quantized tile decodes its panels into)
 UNROLL = 4       # k steps per iteration of the micro-kernel's inner loop
+EDGE_ROWS = (2, 4, 6)   # the last panel of rows runs the smallest of these micro-tiles that
+                        # covers it (a sequence of 50 tokens: 6 x 8 + 2 rows, not 7 x 8)
 SLICE_ACC, SLICE_CONT, SLICE_MORE = 1, 2, 4   # gemm_tile's flags (argument 14)
 PF_ITEMS = 2     # rowvec writing C row by row: prefetch its lines this many items ahead
 PF_ROWS = 8      # packing along rows far apart (wvec): prefetch this many rows ahead ...
@@ -504,103 +507,128 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                 with u.Loop(b, row0, row1, R, "i0") as i0:
                     if ahead is not None:
                         ahead(bt, k0, j0, col0, col1, b.sdiv(b.sub(i0, row0), u.i64(R)), nparts)
-                    if a_rows:
-                        arow = [b.gep(Ap, [b.add(b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
-                                                       sAp), k0)], source_etype=u.F32)
-                                for r in range(R)]
-                    else:
-                        ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
                     mvalid = b.sub(M, i0)
-                    coff = b.add(cbat, b.add(b.mul(i0, N), j0))
-                    if pf_c:
-                        nxt = b.add(cbat, next_tile_offset(b, i0, j0, row0, row1, N, R, NRc))
-                        prefetch_next_tile(b, dst, nxt, N, R, NRc)
-                    masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
-                                       zero_mask(W)) for v in range(V)] for r in range(R)]
 
-                    def rank_io():
-                        """C += s·(x[rows, :]·y[:, cols]) over the micro-tile just stored
-                        (rank_add): the rank-r FMA chains in the freed accumulators, C reloaded
-                        from L1."""
-                        xrow = [b.gep(rx, [b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
-                                                 s_rx)], source_etype=u.F32) for r in range(R)]
-                        for r in range(R):
-                            for v in range(V):
-                                b.store(u.const(vt, 0.0), accs[r][v])
-                        with u.Loop(b, u.i64(0), rank, 1, "q") as q:
-                            yrow = b.add(b.mul(q, s_ry), j0)
-                            yv = [u.load(b, ry, b.add(yrow, u.i64(v * W)), "f32", W, cmask[v])
-                                  for v in range(V)]
-                            for r in range(R):
-                                xv = u.splat(b, u.load(b, xrow[r], q, "f32"), W)
-                                for v in range(V):
-                                    b.store(_fma(b, xv, yv[v], b.load(accs[r][v])), accs[r][v])
-                        for r in range(R):
-                            for v in range(V):
-                                idx = b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
-                                old = u.load(b, C, idx, "f32", W, masks[r][v])
-                                x = b.fadd(old, b.fmul(b.load(accs[r][v]), rscale))
-                                u.store(b, x, C, idx, "f32", masks[r][v])
+                    def micro(Rk):
+                        """The micro-tile on its first Rk rows (Rk <= R): the rows past M
+                        of an edge panel cost no FMAs; every row keeps its FMA chain."""
+                        if a_rows:
+                            arow = [b.gep(Ap, [b.add(b.mul(u.smin(b, b.add(i0, u.i64(r)),
+                                                                  last_row), sAp), k0)],
+                                          source_etype=u.F32) for r in range(Rk)]
+                        else:
+                            ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
+                        coff = b.add(cbat, b.add(b.mul(i0, N), j0))
+                        if pf_c:
+                            nxt = b.add(cbat, next_tile_offset(b, i0, j0, row0, row1, N, R, NRc))
+                            prefetch_next_tile(b, dst, nxt, N, R, NRc)
+                        masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
+                                           zero_mask(W)) for v in range(V)] for r in range(Rk)]
 
-                    def tile_io(ptr, load, add=False, scaled=None):
-                        """Load the micro-tile from ptr, or store the accumulators there (added
-                        to what it holds with `add`; times `scale` where the i1 `scaled` is
-                        set)."""
-                        out = []
-                        for r in range(R):
-                            for v in range(V):
-                                idx = b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
-                                if load:
-                                    out.append(u.load(b, ptr, idx, "f32", W, masks[r][v]))
-                                else:
-                                    x = b.load(accs[r][v])
-                                    if scaled is not None:
-                                        x = b.select(scaled, _scaled(b, x, scale), x)
-                                    if add:
-                                        x = b.fadd(u.load(b, ptr, idx, "f32", W, masks[r][v]), x)
-                                    u.store(b, x, ptr, idx, "f32", masks[r][v])
-                        return out
-
-                    with b.if_else(first) as (then, other):
-                        with then:
-                            for r in range(R):
+                        def rank_io():
+                            """C += s·(x[rows, :]·y[:, cols]) over the micro-tile just stored
+                            (rank_add): the rank-r FMA chains in the freed accumulators, C reloaded
+                            from L1."""
+                            xrow = [b.gep(rx, [b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
+                                                     s_rx)], source_etype=u.F32) for r in range(Rk)]
+                            for r in range(Rk):
                                 for v in range(V):
                                     b.store(u.const(vt, 0.0), accs[r][v])
-                        with other:
-                            vals = tile_io(Cpart, True)
-                            for r in range(R):
+                            with u.Loop(b, u.i64(0), rank, 1, "q") as q:
+                                yrow = b.add(b.mul(q, s_ry), j0)
+                                yv = [u.load(b, ry, b.add(yrow, u.i64(v * W)), "f32", W, cmask[v])
+                                      for v in range(V)]
+                                for r in range(Rk):
+                                    xv = u.splat(b, u.load(b, xrow[r], q, "f32"), W)
+                                    for v in range(V):
+                                        b.store(_fma(b, xv, yv[v], b.load(accs[r][v])), accs[r][v])
+                            for r in range(Rk):
                                 for v in range(V):
-                                    b.store(vals[r * V + v], accs[r][v])
+                                    idx = b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+                                    old = u.load(b, C, idx, "f32", W, masks[r][v])
+                                    x = b.fadd(old, b.fmul(b.load(accs[r][v]), rscale))
+                                    u.store(b, x, C, idx, "f32", masks[r][v])
 
-                    def step(kk):
-                        bv = [u.load(b, bp, b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W)), "f32", W)
-                              for v in range(V)]
-                        for r in range(R):
-                            a = b.load(b.gep(arow[r], [kk], source_etype=u.F32) if a_rows else
-                                       b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
-                                             source_etype=u.F32), typ=u.F32)
-                            av = u.splat(b, a, W)
-                            for v in range(V):
-                                b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
+                        def tile_io(ptr, load, add=False, scaled=None):
+                            """Load the micro-tile from ptr, or store the accumulators there (added
+                            to what it holds with `add`; times `scale` where the i1 `scaled` is
+                            set)."""
+                            out = []
+                            for r in range(Rk):
+                                for v in range(V):
+                                    idx = b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+                                    if load:
+                                        out.append(u.load(b, ptr, idx, "f32", W, masks[r][v]))
+                                    else:
+                                        x = b.load(accs[r][v])
+                                        if scaled is not None:
+                                            x = b.select(scaled, _scaled(b, x, scale), x)
+                                        if add:
+                                            x = b.fadd(u.load(b, ptr, idx, "f32", W,
+                                                              masks[r][v]), x)
+                                        u.store(b, x, ptr, idx, "f32", masks[r][v])
+                            return out
 
-                    kmain = b.sub(kcl, b.srem(kcl, u.i64(U)))
-                    with u.Loop(b, u.i64(0), kmain, U, "k") as k:
-                        for s in range(U):
-                            step(b.add(k, u.i64(s)))
-                    with u.Loop(b, kmain, kcl, 1, "kr") as k:
-                        step(k)
+                        with b.if_else(first) as (then, other):
+                            with then:
+                                for r in range(Rk):
+                                    for v in range(V):
+                                        b.store(u.const(vt, 0.0), accs[r][v])
+                            with other:
+                                vals = tile_io(Cpart, True)
+                                for r in range(Rk):
+                                    for v in range(V):
+                                        b.store(vals[r * V + v], accs[r][v])
 
-                    final_add = b.and_(last, accumulate)
-                    # the final sums are scaled; partial sums of earlier k blocks are not
-                    scaled = last if scale != 1.0 else None
-                    with b.if_else(final_add) as (then, other):
-                        with then:
-                            tile_io(C, False, add=True, scaled=scaled)
-                        with other:
-                            tile_io(dst, False, scaled=scaled)
-                    if rank_add is not None:
-                        with b.if_then(last):
-                            rank_io()
+                        def step(kk):
+                            bv = [u.load(b, bp, b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W)),
+                                         "f32", W) for v in range(V)]
+                            for r in range(Rk):
+                                a = b.load(b.gep(arow[r], [kk], source_etype=u.F32) if a_rows else
+                                           b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
+                                                 source_etype=u.F32), typ=u.F32)
+                                av = u.splat(b, a, W)
+                                for v in range(V):
+                                    b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
+
+                        kmain = b.sub(kcl, b.srem(kcl, u.i64(U)))
+                        with u.Loop(b, u.i64(0), kmain, U, "k") as k:
+                            for s in range(U):
+                                step(b.add(k, u.i64(s)))
+                        with u.Loop(b, kmain, kcl, 1, "kr") as k:
+                            step(k)
+
+                        final_add = b.and_(last, accumulate)
+                        # the final sums are scaled; partial sums of earlier k blocks are not
+                        scaled = last if scale != 1.0 else None
+                        with b.if_else(final_add) as (then, other):
+                            with then:
+                                tile_io(C, False, add=True, scaled=scaled)
+                            with other:
+                                tile_io(dst, False, scaled=scaled)
+                        if rank_add is not None:
+                            with b.if_then(last):
+                                rank_io()
+
+                    edge = [r for r in EDGE_ROWS if r < R]
+                    if not edge:
+                        micro(R)
+                    else:   # the last panel of rows: the smallest variant that covers it
+                        def pick(i):
+                            if i == len(edge):
+                                micro(R)
+                                return
+                            fits = b.icmp_signed("<=", mvalid, u.i64(edge[i]))
+                            with b.if_else(fits) as (lo, hi):
+                                with lo:
+                                    micro(edge[i])
+                                with hi:
+                                    pick(i + 1)
+                        with b.if_else(b.icmp_signed(">=", mvalid, u.i64(R))) as (full, part):
+                            with full:
+                                micro(R)
+                            with part:
+                                pick(0)
     b.ret_void()
     return mod
 
