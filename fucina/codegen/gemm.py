@@ -67,6 +67,10 @@ UNROLL = 4       # k steps per iteration of the micro-kernel's inner loop
 EDGE_ROWS = (2, 4, 6)   # the last panel of rows runs the smallest of these micro-tiles that
                         # covers it (a sequence of 50 tokens: 6 x 8 + 2 rows, not 7 x 8)
 SLICE_ACC, SLICE_CONT, SLICE_MORE = 1, 2, 4   # gemm_tile's flags (argument 14)
+DIRECT_PF_LOCALITY = 2   # gemm_tile_direct prefetches its next panel into L2 (prefetcht1): a t0
+                         # stream of far-apart rows throttles on Zen 4 (LoRA step at seq 50,
+                         # 1 thread: 416 -> 378 ms; at 256, where each panel serves 32
+                         # micro-tiles, no change)
 PF_ITEMS = 2     # rowvec writing C row by row: prefetch its lines this many items ahead
 PF_ROWS = 8      # packing along rows far apart (wvec): prefetch this many rows ahead ...
 PF_K = 256       # ... along k-contiguous rows (kvec): this many elements ahead
@@ -432,7 +436,8 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
             with u.Loop(b, l0, l1, 1, "pf") as ln:
                 r, c = b.sdiv(ln, lpr), b.srem(ln, lpr)
                 u.prefetch(b, src, b.add(base, b.add(b.mul(r, stride),
-                                                     b.mul(c, u.i64(per_line)))), dt)
+                                                     b.mul(c, u.i64(per_line)))), dt,
+                           locality=DIRECT_PF_LOCALITY)
     return make, ahead
 
 
