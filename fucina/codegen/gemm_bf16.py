@@ -52,6 +52,9 @@ KC = 512          # at most this many k per block (even): a KC x NR panel of B i
                   # bf16 pairs, in L1 (exec splits K into equal even blocks up to KC)
 NR_VECS = 2       # vectors of f32 accumulators across the micro-tile (NR = NR_VECS * lanes)
 UNROLL = 2        # k pairs per iteration of the micro-kernel's loop
+PANEL_PF_LOCALITY = 2   # the next panel of b is prefetched into L2 (prefetcht1), as
+                        # gemm_tile_direct's (LoRA step, bf16 compute, all seven, seq 50:
+                        # 1 thread 268 -> 254 ms, 2 threads 216/175 -> 200/165)
 PF_ROWS = 16      # packing along rows far apart (wvec): prefetch this many rows ahead ...
 PF_K = 128        # ... along k-contiguous rows (kvec): this many elements ahead
 TINY = 2.0 ** -126
@@ -369,7 +372,8 @@ def _next_panel_lines(b, key, src, sbase, kcl, wvalid, s_bk, s_bn, ok):
     def prefetch_line(ln):
         r = b.sdiv(ln, per_row)
         e = b.mul(b.srem(ln, per_row), u.i64(epl))
-        u.prefetch(b, src, b.add(sbase, b.add(b.mul(r, stride), e)), dt)
+        u.prefetch(b, src, b.add(sbase, b.add(b.mul(r, stride), e)), dt,
+                   locality=PANEL_PF_LOCALITY)
     return total, prefetch_line
 
 
