@@ -201,6 +201,22 @@ def test_exact_model_random(ctx1, native):
     assert_bitwise(c, model(A, B))
 
 
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+def test_edge_rows_are_the_model(native):
+    """The last panel of rows runs a micro-tile of its own height (EDGE_ROWS): for M across
+    every height (MR = 14 on AVX-512), each element is still the model's chain, at 1 and 2
+    threads."""
+    rng = np.random.default_rng(8)
+    for M in [*range(1, cg.mr() + 1), cg.mr() + 4, 2 * cg.mr() + 1]:
+        A = rng.standard_normal((M, 30)).astype(np.float32)
+        B = rng.standard_normal((30, 20)).astype(np.float32)
+        want = model(A, B)
+        for th in (1, 2):
+            with fu.ExecContext(threads=th) as ctx:
+                c = gemm_bf16(ctx, ctx.from_numpy(A), ctx.from_numpy(B), native=native)
+                assert_bitwise(c.to_numpy(), want)
+
+
 @needs_native
 @pytest.mark.parametrize("scale", [1.0, 2.0 ** -63])
 def test_emulation_matches_instruction(ctx, scale):

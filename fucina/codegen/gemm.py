@@ -115,6 +115,28 @@ def _fma(b, x, y, z):
     return u.intrinsic(b, "llvm.fma", z.type, [x, y, z])
 
 
+def by_height(b, mvalid, R, heights, micro):
+    """micro(R) for a full panel of rows (mvalid >= R); for the last one, micro(h) with h the
+    smallest of `heights` covering its mvalid rows (micro(R) when none does): rows past M
+    cost no FMAs, and each row keeps its FMA chain whatever the micro-tile's height."""
+    edge = [h for h in heights if h < R]
+
+    def pick(i):
+        if i == len(edge):
+            micro(R)
+            return
+        with b.if_else(b.icmp_signed("<=", mvalid, u.i64(edge[i]))) as (lo, hi):
+            with lo:
+                micro(edge[i])
+            with hi:
+                pick(i + 1)
+    with b.if_else(b.icmp_signed(">=", mvalid, u.i64(R))) as (full, part):
+        with full:
+            micro(R)
+        with part:
+            pick(0)
+
+
 def prefetch_next_tile(b, ptr, off, N, R, NRc):
     """Prefetch for writing the R x NRc block of C (row length N) at element `off`: the next
     micro-tile's rows, so that its stores (or the reload of a partial sum) do not miss every
@@ -615,25 +637,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                             with b.if_then(last):
                                 rank_io()
 
-                    edge = [r for r in EDGE_ROWS if r < R]
-                    if not edge:
-                        micro(R)
-                    else:   # the last panel of rows: the smallest variant that covers it
-                        def pick(i):
-                            if i == len(edge):
-                                micro(R)
-                                return
-                            fits = b.icmp_signed("<=", mvalid, u.i64(edge[i]))
-                            with b.if_else(fits) as (lo, hi):
-                                with lo:
-                                    micro(edge[i])
-                                with hi:
-                                    pick(i + 1)
-                        with b.if_else(b.icmp_signed(">=", mvalid, u.i64(R))) as (full, part):
-                            with full:
-                                micro(R)
-                            with part:
-                                pick(0)
+                    by_height(b, mvalid, R, EDGE_ROWS, micro)
     b.ret_void()
     return mod
 

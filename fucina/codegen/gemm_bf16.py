@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import (mask_upto, zero_mask, lanes, next_tile_offset, prefetch_next_tile,
-                   transpose)
+from .gemm import (by_height, mask_upto, zero_mask, lanes, next_tile_offset,
+                   prefetch_next_tile, transpose)
 from .kernels import KernelKey, register
 from .target import host
 
@@ -52,6 +52,8 @@ KC = 512          # at most this many k per block (even): a KC x NR panel of B i
                   # bf16 pairs, in L1 (exec splits K into equal even blocks up to KC)
 NR_VECS = 2       # vectors of f32 accumulators across the micro-tile (NR = NR_VECS * lanes)
 UNROLL = 2        # k pairs per iteration of the micro-kernel's loop
+EDGE_ROWS = (4, 8, 12)   # heights of the last panel's micro-tile (gemm.by_height): 50 rows
+                         # = 3 x 14 + 8, 256 = 18 x 14 + 4
 PANEL_PF_LOCALITY = 2   # the next panel of b is prefetched into L2 (prefetcht1), as
                         # gemm_tile_direct's (LoRA step, bf16 compute, all seven, seq 50:
                         # 1 thread 268 -> 254 ms, 2 threads 216/175 -> 200/165)
@@ -495,51 +497,55 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                         l0 = b.mul(b.sdiv(b.sub(i0, row0), u.i64(R)), per)
                         with u.Loop(b, l0, u.smin(b, b.add(l0, per), total), 1, "pf") as ln:
                             prefetch_line(ln)
-                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
                     mvalid = b.sub(M, i0)
-                    coff = b.add(b.mul(i0, N), j0)
-                    if key.pf_c:
-                        prefetch_next_tile(b, C, next_tile_offset(b, i0, j0, row0, row1, N, R,
-                                                                  NRc), N, R, NRc)
-                    masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
-                                       zero_mask(W)) for v in range(V)] for r in range(R)]
 
-                    def cidx(r, v):
-                        return b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+                    def micro(Rk):
+                        """The micro-tile on its first Rk rows (gemm.by_height)."""
+                        ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
+                        coff = b.add(b.mul(i0, N), j0)
+                        if key.pf_c:
+                            prefetch_next_tile(b, C, next_tile_offset(b, i0, j0, row0, row1, N, R,
+                                                                      NRc), N, R, NRc)
+                        masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
+                                           zero_mask(W)) for v in range(V)] for r in range(Rk)]
 
-                    with b.if_else(first) as (then, other):
-                        with then:
-                            for r in range(R):
-                                for v in range(V):
-                                    b.store(u.const(fv, 0.0), accs[r][v])
-                        with other:
-                            for r in range(R):
-                                for v in range(V):
-                                    b.store(u.load(b, C, cidx(r, v), "f32", W, masks[r][v]),
-                                            accs[r][v])
+                        def cidx(r, v):
+                            return b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
 
-                    def step(kk):
-                        bv = []
-                        for v in range(V):
-                            x = b.load(b.gep(bp, [b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W))],
-                                             source_etype=u.I32), typ=iv)
-                            x.align = 4
-                            bv.append(x)
-                        for r in range(R):
-                            a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
-                                             source_etype=u.I32), typ=u.I32)
-                            av = u.splat(b, a, W)
+                        with b.if_else(first) as (then, other):
+                            with then:
+                                for r in range(Rk):
+                                    for v in range(V):
+                                        b.store(u.const(fv, 0.0), accs[r][v])
+                            with other:
+                                for r in range(Rk):
+                                    for v in range(V):
+                                        b.store(u.load(b, C, cidx(r, v), "f32", W, masks[r][v]),
+                                                accs[r][v])
+
+                        def step(kk):
+                            bv = []
                             for v in range(V):
-                                b.store(dp(b.load(accs[r][v]), av, bv[v]), accs[r][v])
+                                x = b.load(b.gep(bp, [b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W))],
+                                                 source_etype=u.I32), typ=iv)
+                                x.align = 4
+                                bv.append(x)
+                            for r in range(Rk):
+                                a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
+                                                 source_etype=u.I32), typ=u.I32)
+                                av = u.splat(b, a, W)
+                                for v in range(V):
+                                    b.store(dp(b.load(accs[r][v]), av, bv[v]), accs[r][v])
 
-                    kmain = b.sub(kpl, b.srem(kpl, u.i64(U)))
-                    with u.Loop(b, u.i64(0), kmain, U, "k") as k:
-                        for s in range(U):
-                            step(b.add(k, u.i64(s)))
-                    with u.Loop(b, kmain, kpl, 1, "kr") as k:
-                        step(k)
-                    for r in range(R):
-                        for v in range(V):
-                            u.store(b, b.load(accs[r][v]), C, cidx(r, v), "f32", masks[r][v])
+                        kmain = b.sub(kpl, b.srem(kpl, u.i64(U)))
+                        with u.Loop(b, u.i64(0), kmain, U, "k") as k:
+                            for s in range(U):
+                                step(b.add(k, u.i64(s)))
+                        with u.Loop(b, kmain, kpl, 1, "kr") as k:
+                            step(k)
+                        for r in range(Rk):
+                            for v in range(V):
+                                u.store(b, b.load(accs[r][v]), C, cidx(r, v), "f32", masks[r][v])
+                    by_height(b, mvalid, R, EDGE_ROWS, micro)
     b.ret_void()
     return mod
