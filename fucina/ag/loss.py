@@ -23,9 +23,10 @@ REDUCTIONS = ("mean", "sum", "none")
 
 def host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=None):
     """Labels (list, numpy, or an i64 Tensor), one per position, validated against K classes
-    (callers that look at the labels before the loss, e.g. to drop the unsupervised rows, check
-    them the loss's way first). A tagged label tensor must carry the position tags in the logits' order (row-major labels
-    in another axis order would silently pair the wrong rows). Returns (int array, ignored)."""
+    (a caller that reads the labels before the loss, e.g. to drop unsupervised rows, checks
+    them the loss's way first). A tagged label tensor must carry the position tags in the
+    logits' order (row-major labels in another axis order would silently pair the wrong rows).
+    Returns (int array, ignored)."""
     if ignore_index is not None and (isinstance(ignore_index, bool)
                                      or not isinstance(ignore_index, numbers.Integral)):
         raise InvalidArgumentType(f"{op}: expected an integer ignore_index, got {ignore_index!r}")

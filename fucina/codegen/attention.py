@@ -274,13 +274,7 @@ def _mm(b, n, nvec, K, a_at, b_at, init, fin, cols=None, krange=None):
                 lo, hi = krange(i0)
                 ke = _clamp(b, hi, u.i64(0), K)
                 ks = _clamp(b, lo, u.i64(0), ke)
-            span = b.sub(ke, ks)
-            kmain = b.add(ks, b.sub(span, b.srem(span, u.i64(gemm.UNROLL))))
-            with u.Loop(b, ks, kmain, gemm.UNROLL, "mk") as k:
-                for s in range(gemm.UNROLL):
-                    step(b.add(k, u.i64(s)))
-            with u.Loop(b, kmain, ke, 1, "mkr") as k:
-                step(k)
+            u.unrolled(b, ks, ke, gemm.UNROLL, step, "mk")
             for r in range(R):
                 for a, v in zip(accs[r], vs):
                     fin(rows[r], v, b.load(a))

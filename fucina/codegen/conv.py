@@ -217,12 +217,7 @@ def _conv(key, b, args, c0, c1):
                             for v in range(RN):
                                 b.store(_fma(b, a, bv[v], b.load(accs[r][v])), accs[r][v])
 
-                    cmain = b.sub(cinpg, b.srem(cinpg, u.i64(UNROLL)))
-                    with u.Loop(b, u.i64(0), cmain, UNROLL, "c") as c:
-                        for t in range(UNROLL):
-                            step(b.add(c, u.i64(t)))
-                    with u.Loop(b, cmain, cinpg, 1, "cr") as c:
-                        step(c)
+                    u.unrolled(b, u.i64(0), cinpg, UNROLL, step, "c")
 
         # a full block of columns loads the weight unmasked; only a group's last block masks
         with b.if_else(b.icmp_signed(">=", nvalid, u.i64(RN * W))) as (full, edge):

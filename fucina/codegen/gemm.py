@@ -618,12 +618,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                                 for v in range(V):
                                     b.store(_fma(b, av, bv[v], b.load(accs[r][v])), accs[r][v])
 
-                        kmain = b.sub(kcl, b.srem(kcl, u.i64(U)))
-                        with u.Loop(b, u.i64(0), kmain, U, "k") as k:
-                            for s in range(U):
-                                step(b.add(k, u.i64(s)))
-                        with u.Loop(b, kmain, kcl, 1, "kr") as k:
-                            step(k)
+                        u.unrolled(b, u.i64(0), kcl, U, step)
 
                         final_add = b.and_(last, accumulate)
                         # the final sums are scaled; partial sums of earlier k blocks are not

@@ -537,12 +537,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                                 for v in range(V):
                                     b.store(dp(b.load(accs[r][v]), av, bv[v]), accs[r][v])
 
-                        kmain = b.sub(kpl, b.srem(kpl, u.i64(U)))
-                        with u.Loop(b, u.i64(0), kmain, U, "k") as k:
-                            for s in range(U):
-                                step(b.add(k, u.i64(s)))
-                        with u.Loop(b, kmain, kpl, 1, "kr") as k:
-                            step(k)
+                        u.unrolled(b, u.i64(0), kpl, U, step)
                         for r in range(Rk):
                             for v in range(V):
                                 u.store(b, b.load(accs[r][v]), C, cidx(r, v), "f32", masks[r][v])

@@ -254,7 +254,9 @@ class Trainer:
         """Cross-entropy of forward_logits(tokens, step_counter) against labels (one per token;
         IGNORE_INDEX = not supervised) with `reduction` ("mean" over supervised positions: 0
         when there are none), times loss_scale when it is not 1. Needs an open exec scope
-        (ExecScopeRequired); the result is a scope borrow. step_counter advances by one."""
+        (ExecScopeRequired); the result is a scope borrow. step_counter advances by one.
+        The head runs on the supervised positions only (head_rows; every position with
+        reduction="none"): the same bits as the logits of all of them."""
         op = "decoder.Trainer.loss_ext"
         if not self.model.ctx.scopes:
             raise ExecScopeRequired(f"{op}: expected an open exec scope (`with ctx.exec_scope():`); "
