@@ -811,13 +811,10 @@ def test_edge_rows_keep_their_chains(direct, ta, tb, monkeypatch):
 
 
 def test_edge_rows_have_their_micro_tiles():
-    """The tile kernel holds one inner loop per micro-tile height: MR and each EDGE_ROWS size,
-    NR/16 x UNROLL zmm FMAs per row."""
+    """The tile kernel holds one inner loop per micro-tile height: MR and each EDGE_ROWS size
+    below it, NR_VECS x UNROLL vector FMAs per row (whatever the vector width)."""
     from fucina.codegen import gemm as g
     from fucina.codegen.jit import assembly
-    from fucina.codegen.target import host
-    if host().vector_bits < 512:
-        pytest.skip("the FMA counts below are those of 16-lane vectors")
     asm = assembly(g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL).ir("k")).splitlines()
     labels = {ln.strip()[:-1]: i for i, ln in enumerate(asm)
               if ln.startswith(".LBB") and ln.rstrip().endswith(":")}
@@ -827,4 +824,4 @@ def test_edge_rows_have_their_micro_tiles():
         if len(parts) == 2 and parts[0].startswith("j") and labels.get(parts[1], j) < j:
             counts.add(sum("vfmadd" in x for x in asm[labels[parts[1]]:j + 1]))
     per_row = g.NR_VECS * g.UNROLL
-    assert {r * per_row for r in (g.mr(), *g.EDGE_ROWS)} <= counts
+    assert {r * per_row for r in (g.mr(), *g.EDGE_ROWS) if r <= g.mr()} <= counts

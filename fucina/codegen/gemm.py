@@ -535,20 +535,20 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                     if ahead is not None:
                         ahead(bt, k0, j0, col0, col1, b.sdiv(b.sub(i0, row0), u.i64(R)), nparts)
                     mvalid = b.sub(M, i0)
+                    if a_rows:
+                        arow = [b.gep(Ap, [b.add(b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
+                                                       sAp), k0)], source_etype=u.F32)
+                                for r in range(R)]
+                    else:
+                        ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
+                    coff = b.add(cbat, b.add(b.mul(i0, N), j0))
+                    if pf_c:
+                        nxt = b.add(cbat, next_tile_offset(b, i0, j0, row0, row1, N, R, NRc))
+                        prefetch_next_tile(b, dst, nxt, N, R, NRc)
 
                     def micro(Rk):
                         """The micro-tile on its first Rk rows (Rk <= R): the rows past M
                         of an edge panel cost no FMAs; every row keeps its FMA chain."""
-                        if a_rows:
-                            arow = [b.gep(Ap, [b.add(b.mul(u.smin(b, b.add(i0, u.i64(r)),
-                                                                  last_row), sAp), k0)],
-                                          source_etype=u.F32) for r in range(Rk)]
-                        else:
-                            ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kcl))], source_etype=u.F32)
-                        coff = b.add(cbat, b.add(b.mul(i0, N), j0))
-                        if pf_c:
-                            nxt = b.add(cbat, next_tile_offset(b, i0, j0, row0, row1, N, R, NRc))
-                            prefetch_next_tile(b, dst, nxt, N, R, NRc)
                         masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                            zero_mask(W)) for v in range(V)] for r in range(Rk)]
 

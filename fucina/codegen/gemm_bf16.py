@@ -498,14 +498,14 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                         with u.Loop(b, l0, u.smin(b, b.add(l0, per), total), 1, "pf") as ln:
                             prefetch_line(ln)
                     mvalid = b.sub(M, i0)
+                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
+                    coff = b.add(b.mul(i0, N), j0)
+                    if key.pf_c:
+                        prefetch_next_tile(b, C, next_tile_offset(b, i0, j0, row0, row1, N, R,
+                                                                  NRc), N, R, NRc)
 
                     def micro(Rk):
                         """The micro-tile on its first Rk rows (gemm.by_height)."""
-                        ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
-                        coff = b.add(b.mul(i0, N), j0)
-                        if key.pf_c:
-                            prefetch_next_tile(b, C, next_tile_offset(b, i0, j0, row0, row1, N, R,
-                                                                      NRc), N, R, NRc)
                         masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                            zero_mask(W)) for v in range(V)] for r in range(Rk)]
 

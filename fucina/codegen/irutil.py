@@ -160,7 +160,8 @@ class Loop:
 def unrolled(b, start, stop, U: int, step, name="k"):
     """step(i) for i in start .. stop-1 in increasing order: U calls per iteration of a loop,
     then one at a time for the rest (the micro-kernels' k loops)."""
-    main = b.add(start, b.sub(b.sub(stop, start), b.srem(b.sub(stop, start), i64(U))))
+    n = b.sub(stop, start)
+    main = b.add(start, b.sub(n, b.srem(n, i64(U))))
     with Loop(b, start, main, U, name) as i:
         for s in range(U):
             step(b.add(i, i64(s)))

@@ -278,7 +278,7 @@ class Trainer:
         # living in the caller's scope until it closes; the loss alone is the caller's borrow
         with self.model.ctx.graph_scope():
             logits = self._logits(tokens, step, rows=rows)
-            ce = logits.cross_entropy_ext("vocab", labels if rows is None else arr[rows],
+            ce = logits.cross_entropy_ext("vocab", arr if rows is None else arr[rows],
                                           ignore_index=IGNORE_INDEX, reduction=reduction)
             del logits
             if loss_scale != 1:
