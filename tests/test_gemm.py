@@ -174,31 +174,34 @@ def test_two_threads_get_equal_halves():
     mm._plans.clear()
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct-b", "packed"])
+@pytest.mark.parametrize("route", ["direct-b", "packed", "rowvec"])
 @pytest.mark.parametrize("r", [1, 8])
-def test_rank_add_is_the_separate_pass(direct, r, monkeypatch):
-    """gemm(a, b, rank_add=(x, y, s)) adds s·(x·y) in the tile kernels' stores (emit_tile's
-    rank_add): the bits of gemm(x, y, out=c, accumulate=True, scale=s) run after it — plain,
-    accumulating, scaled, in k slices, A packed or read in place, edges of every size, at 1
-    and 2 threads; a plan without tile kernels (rowvec here) runs that pass itself."""
+def test_rank_add_is_the_separate_pass(route, r, monkeypatch):
+    """gemm(a, b, rank_add=(x, y, s)) adds s·(x·y) in its kernels' stores (the tiles' or
+    rowvec's, codegen.gemm.add_rank): the bits of gemm(x, y, out=c, accumulate=True, scale=s)
+    run after it — plain, accumulating, scaled, in k slices, A packed or read in place, edges
+    of every size, at 1 and 2 threads; a plan without such kernels (dot here) runs that pass
+    itself."""
     from fucina.codegen import gemm as g
     rng = np.random.default_rng(r)
     cases = [(37, 2 * g.KC + 9, 70, False), (300, 70, 45, True), (9, 600, 33, True),
              (1, 5, 3, False)]
 
-    def run(ctx, M, K, N, acc, ta, tiles=True):
+    def run(ctx, M, K, N, acc, ta, tb=False, ranked=True):
         data = np.random.default_rng(M + K + N)
         A, B = _data(data, M, K), _data(data, K, N)
         X, Y, C0 = _data(data, M, r), _data(data, r, N), _data(data, M, N)
         outs = []
         for fused in (True, False):
-            a, b = _operand(ctx, A, ta), _operand(ctx, B, False)
+            a, b = _operand(ctx, A, ta), _operand(ctx, B, tb)
             x, y, c = ctx.from_numpy(X), ctx.from_numpy(Y), ctx.from_numpy(C0)
             kw = {"out": c, "accumulate": True} if acc else {}
             if fused:
                 c = gemm(ctx, a, b, scale=0.75, rank_add=(x, y, 1.5), **kw)
                 key = (a.lay, b.lay, c.lay if acc else None, acc, 0.75, True)
-                assert mm._plans[key].ranked == tiles
+                assert mm._plans[key].ranked == ranked
+                want = {"direct-b": "packed", "packed": "packed", "rowvec": "rowvec"}[route]
+                assert not ranked or mm.path_of(a, b).startswith(want), mm.path_of(a, b)
             else:
                 c = gemm(ctx, a, b, scale=0.75, **kw)
                 gemm(ctx, x, y, out=c, accumulate=True, scale=1.5)
@@ -206,7 +209,8 @@ def test_rank_add_is_the_separate_pass(direct, r, monkeypatch):
         assert_bitwise(outs[0], outs[1])
         return outs[0]
 
-    _route(monkeypatch, direct)
+    if route != "rowvec":
+        _route(monkeypatch, route == "direct-b")
     monkeypatch.setattr(mm, "K_SLICE", 2 * g.KC)
     for M, K, N, acc in cases:
         for ta in (False, True):
@@ -215,7 +219,7 @@ def test_rank_add_is_the_separate_pass(direct, r, monkeypatch):
     monkeypatch.undo()
     mm._plans.clear()
     with fu.ExecContext(threads=1) as ctx:
-        run(ctx, 9, 20, 30, True, False, tiles=False)   # rowvec: the pass after it
+        run(ctx, 9, 40, 6, True, False, tb=True, ranked=False)   # dot: the pass after it
         with pytest.raises(fu.InvalidArgument, match="rank_add"):
             gemm(ctx, ctx.from_numpy(_data(rng, 2, 3, 4)), ctx.from_numpy(_data(rng, 2, 4, 5)),
                  rank_add=(ctx.from_numpy(_data(rng, 3, 1)), ctx.from_numpy(_data(rng, 1, 5)),
@@ -299,6 +303,34 @@ def test_direct_b_accumulate_and_views(tb, monkeypatch):
     Bv = Bbig[3:3 + K, 4:4 + N]
     assert np.abs(got[0] - (C0 + _ref(A, Bv))).max() <= _tol(A, Bv, 1e-6 * np.abs(C0).max())
     assert np.abs(got[1] - _ref(A, np.broadcast_to(bcol, (K, N)))).max() <= _tol(A, bcol)
+
+
+def test_rowvec_takes_rows_up_to_its_bounds(monkeypatch):
+    """b unit-stride along n (x · W, dx = g · W): rowvec up to RV_ROWS rows of C and a k of
+    RV_ROWS_K, the tile path past either bound; both run each element's FMA chain, so rowvec
+    is bitwise the packed path there (1 and 2 threads)."""
+    rng = np.random.default_rng(11)
+    R, Kmax = mm.RV_ROWS, mm.RV_ROWS_K
+    assert 300 * 1000 > mm.RV_MAX_B and Kmax * 200 > mm.RV_MAX_B   # b too big for L2 alone
+    for (M, K, N), want in (((R, 300, 1000), "rowvec"), ((R + 1, 300, 1000), "packed"),
+                            ((40, Kmax, 200), "rowvec"), ((40, Kmax + 1, 200), "packed direct-b")):
+        A, B = _data(rng, M, K), _data(rng, K, N)
+
+        def run(ctx):
+            a, b = ctx.from_numpy(A), ctx.from_numpy(B)
+            return gemm(ctx, a, b).to_numpy(), mm.path_of(a, b)
+
+        with fu.ExecContext(threads=1) as c1, fu.ExecContext(threads=2) as c2:
+            (got, path), (got2, _) = run(c1), run(c2)
+            assert path == want, (M, K, N, path)
+            assert_bitwise(got, got2)
+            with monkeypatch.context() as m:
+                _route(m, False)
+                packed, path = run(c1)
+                assert path == "packed"
+            mm._plans.clear()
+        assert_bitwise(got, packed)
+        assert np.abs(got - _ref(A, B)).max() <= _tol(A, B)
 
 
 def test_paths_are_covered_and_rowvec_matches_packed():

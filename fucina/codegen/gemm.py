@@ -71,6 +71,12 @@ DIRECT_PF_LOCALITY = 2   # gemm_tile_direct prefetches its next panel into L2 (p
                          # stream of far-apart rows throttles on Zen 4 (LoRA step at seq 50,
                          # 1 thread: 416 -> 378 ms; at 256, where each panel serves 32
                          # micro-tiles, no change)
+RV_PF_ROWS = 64  # rowvec prefetches b's row k + this into L2 (prefetcht1): the first row
+RV_PF_LINES = 4  # group of a column block streams it from memory, which no hardware prefetcher
+                 # follows in pieces of at most this many lines, far apart. x[48, 576] ·
+                 # w[576, 1536] with w not cached, 1 thread: 90 -> 101 GFLOP/s (t0: 91; 16 rows
+                 # ahead: 97). The wide strips of one or two rows of C (GEMV) stream well
+                 # without: there the prefetches cost 16 % when b is in L3
 PF_ITEMS = 2     # rowvec writing C row by row: prefetch its lines this many items ahead
 PF_ROWS = 8      # packing along rows far apart (wvec): prefetch this many rows ahead ...
 PF_K = 256       # ... along k-contiguous rows (kvec): this many elements ahead
@@ -463,6 +469,42 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
     return make, ahead
 
 
+def rank_block(b, args, e):
+    """The rank_add argument block at index e: (x, y, x's row stride, y's row stride, r, s)."""
+    return (u.arg_ptr(b, args, e), u.arg_ptr(b, args, e + 1),
+            *(u.arg(b, args, e + i) for i in (2, 3, 4)), u.splat(b, u.arg_f32(b, args, e + 5), lanes()))
+
+
+def add_rank(b, rk, accs, i0, j0, cmask, masks, C, cbase, N, last_row):
+    """C += s·(x[rows, :]·y[:, cols]) over a block of C just stored (rank_add): rows i0.. of
+    len(masks), columns j0.. of len(cmask) vectors, C[i0 + r, j0 + v·W] at cbase + r·N + v·W.
+    The rank-r FMA chains run in the freed accumulators from 0 over r in increasing order,
+    then C is reloaded (from L1) and c + s·t stored: the bits of gemm(x, y, out=c,
+    accumulate=True, scale=s) run after the product."""
+    rx, ry, s_rx, s_ry, rank, rscale = rk
+    W = lanes()
+    vt = _vt(W)
+    R, V = len(masks), len(cmask)
+    xrow = [b.gep(rx, [b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row), s_rx)],
+                  source_etype=u.F32) for r in range(R)]
+    for r in range(R):
+        for v in range(V):
+            b.store(u.const(vt, 0.0), accs[r][v])
+    with u.Loop(b, u.i64(0), rank, 1, "q") as q:
+        yrow = b.add(b.mul(q, s_ry), j0)
+        yv = [u.load(b, ry, b.add(yrow, u.i64(v * W)), "f32", W, cmask[v]) for v in range(V)]
+        for r in range(R):
+            xv = u.splat(b, u.load(b, xrow[r], q, "f32"), W)
+            for v in range(V):
+                b.store(_fma(b, xv, yv[v], b.load(accs[r][v])), accs[r][v])
+    for r in range(R):
+        for v in range(V):
+            idx = b.add(cbase, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+            old = u.load(b, C, idx, "f32", W, masks[r][v])
+            u.store(b, b.fadd(old, b.fmul(b.load(accs[r][v]), rscale)), C, idx, "f32",
+                    masks[r][v])
+
+
 def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
               scale: float = 1.0, a_rows: bool = False, rank_add: int | None = None
               ) -> ir.Module:
@@ -501,10 +543,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
     accumulate, cont, more = (b.icmp_signed("!=", b.and_(accflag, u.i64(bit)), u.i64(0))
                               for bit in (SLICE_ACC, SLICE_CONT, SLICE_MORE))
     accs = [[u.entry_alloca(b, vt, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
-    if rank_add is not None:
-        rx, ry = u.arg_ptr(b, args, rank_add), u.arg_ptr(b, args, rank_add + 1)
-        s_rx, s_ry, rank = (u.arg(b, args, rank_add + i) for i in (2, 3, 4))
-        rscale = u.splat(b, u.arg_f32(b, args, rank_add + 5), W)
+    rk = None if rank_add is None else rank_block(b, args, rank_add)
 
     with u.Loop(b, c0, c1, 1, "c") as c:
         # consecutive chunks share the block of the bigger operand (it streams from memory
@@ -551,30 +590,6 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                         of an edge panel cost no FMAs; every row keeps its FMA chain."""
                         masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
                                            zero_mask(W)) for v in range(V)] for r in range(Rk)]
-
-                        def rank_io():
-                            """C += s·(x[rows, :]·y[:, cols]) over the micro-tile just stored
-                            (rank_add): the rank-r FMA chains in the freed accumulators, C reloaded
-                            from L1."""
-                            xrow = [b.gep(rx, [b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row),
-                                                     s_rx)], source_etype=u.F32) for r in range(Rk)]
-                            for r in range(Rk):
-                                for v in range(V):
-                                    b.store(u.const(vt, 0.0), accs[r][v])
-                            with u.Loop(b, u.i64(0), rank, 1, "q") as q:
-                                yrow = b.add(b.mul(q, s_ry), j0)
-                                yv = [u.load(b, ry, b.add(yrow, u.i64(v * W)), "f32", W, cmask[v])
-                                      for v in range(V)]
-                                for r in range(Rk):
-                                    xv = u.splat(b, u.load(b, xrow[r], q, "f32"), W)
-                                    for v in range(V):
-                                        b.store(_fma(b, xv, yv[v], b.load(accs[r][v])), accs[r][v])
-                            for r in range(Rk):
-                                for v in range(V):
-                                    idx = b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
-                                    old = u.load(b, C, idx, "f32", W, masks[r][v])
-                                    x = b.fadd(old, b.fmul(b.load(accs[r][v]), rscale))
-                                    u.store(b, x, C, idx, "f32", masks[r][v])
 
                         def tile_io(ptr, load, add=False, scaled=None):
                             """Load the micro-tile from ptr, or store the accumulators there (added
@@ -630,7 +645,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                                 tile_io(dst, False, scaled=scaled)
                         if rank_add is not None:
                             with b.if_then(last):
-                                rank_io()
+                                add_rank(b, rk, accs, i0, j0, cmask, masks, C, coff, N, last_row)
 
                     by_height(b, mvalid, R, EDGE_ROWS, micro)
     b.ret_void()
@@ -661,6 +676,8 @@ class GemmSmallKey(KernelKey):
     Items run row groups fastest, so consecutive items reuse one block of b; or, with argument
     23 set (a short k: each item's C is more than its block of b), column blocks fastest, so
     C is written row after row as it lies in memory. scale: as gemm_tile's.
+    rank_add (rowvec, one batch): arguments 24..29 are emit_tile's rank_add block, added to
+    each stored result the way gemm_tile adds it (the bits of the separate pass).
     """
     family = "gemm_small"
     b_dtype: str
@@ -668,6 +685,7 @@ class GemmSmallKey(KernelKey):
     rm: int
     rn: int
     scale: float = 1.0
+    rank_add: bool = False
 
     def ir(self, symbol: str) -> str:
         return str(_build_small(self, symbol))
@@ -720,9 +738,18 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
                         u.prefetch(b, C, b.add(row, b.add(j0, u.i64((PF_ITEMS * RN + v) * W))),
                                    "f32", write=True)
 
+            isz = u.ITEMSIZE[bdt]
+            lines = -(-RN * W * isz // 64)
+
             def kloop(masked):
                 with u.Loop(b, u.i64(0), K, 1, "k") as k:
                     brow = b.add(bcol, b.mul(k, s_bk))
+                    if RV_PF_ROWS and lines <= RV_PF_LINES:   # b's rows k + RV_PF_ROWS
+                        kp = u.smin(b, b.add(k, u.i64(RV_PF_ROWS)), b.sub(K, u.i64(1)))
+                        prow = b.add(bcol, b.mul(kp, s_bk))
+                        for ln in range(lines):
+                            u.prefetch(b, B, b.add(prow, u.i64(ln * 64 // isz)), bdt,
+                                       locality=2)
                     bv = [u.load(b, B, b.add(brow, u.i64(v * W)), bdt, W, cm[v] if masked else None)
                           for v in range(RN)]
                     ka = b.mul(k, s_ak)
@@ -747,6 +774,11 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
                     old = u.load(b, C, idx, "f32", W, m)
                     x = b.select(accumulate, b.fadd(old, x), x)
                     u.store(b, x, C, idx, "f32", m)
+            if key.rank_add:
+                masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cm[v], zero_mask(W))
+                          for v in range(RN)] for r in range(RM)]
+                add_rank(b, rank_block(b, args, 24), accs, i0, j0, cm, masks, C,
+                         b.add(coff, b.add(b.mul(i0, N), j0)), N, b.sub(M, u.i64(1)))
         else:
             j0 = b.mul(cb, u.i64(RN))
             nvalid = b.sub(N, j0)

@@ -14,8 +14,9 @@ Paths (codegen/gemm.py), chosen from the shapes and strides alone:
             Beside packed B, a row-major A of one batch is read in place instead (its MR
             rows stream from cache as well as its panels would; measured 2-10 % faster for
             M >= 512): only B is packed, the same bits.
-  rowvec  — few rows of C (M <= 4, or M <= 16 with K <= 1024) with b contiguous along n, or
-            tiny problems: no packing.
+  rowvec  — up to RV_ROWS rows of C with K <= RV_ROWS_K and b contiguous along n (x · W, the
+            dx = g · W of a frozen weight), or tiny problems: no packing; A's rows read in
+            place, b's rows prefetched ahead of the first row group streaming them.
   dot     — few rows (or few columns) of C with a and b contiguous along k (x · Wᵀ for one
             token, a skinny output): dot products vectorised along k.
 Every path fixes the order of each element's k-sum by the shape, so a result is bitwise
@@ -54,8 +55,13 @@ RV_WIDE = 16             # ... or, for one or two rows of C, RV_WIDE / rows vect
 DOT_RN, DOT_ACC = 8, 24  # dot tile: up to DOT_RN columns, DOT_ACC accumulators
 RV_MAX_B = 1 << 18       # b up to this many elements (1 MiB f32, L2-sized): rowvec, A unpacked
 RV_COLS_K = 16           # rowvec with K at most this: column blocks fastest (C row by row)
-RV_ROWS, RV_ROWS_K = 16, 1024   # up to this many rows of C, K up to this: rowvec, whatever b's
-                                # size (each K x rn*W block of b stays in L2 for the row groups)
+RV_ROWS, RV_ROWS_K = 512, 2048  # up to this many rows of C, K up to this, b unit-stride along
+                                # n: rowvec, whatever b's size (each K x rn*W block of b stays in
+                                # L2 for the row groups; A's 4 rows in L1). Against packed
+                                # direct-b, b not cached, 1 / 2 threads (GFLOP/s): [48, 576] x
+                                # [576, 1536] 92 -> 101 / 177 -> 196, [256, 1536] x [1536, 576]
+                                # 106 -> 110 / 180 -> 221, [512, 576] x [576, 1536] 105 -> 113 /
+                                # 217 -> 224; at 1024 rows packed is as fast
 K_SLICE = 2048           # a longer k runs in slices of this many (a multiple of KC): the
                          # [1024, 49152] x [49152, 576] head product 172 -> 213 GFLOP/s
 PF_C_MIN = 1 << 20       # a C of this many floats (4 MiB) or more does not stay cached: each
@@ -304,8 +310,9 @@ def _make_plan(a, b, shape, accumulate, scale, ranked=False) -> Plan:
     unit_ka = s_ak == 1 or K == 1
     unit_kb = s_bk == 1 or K == 1
     args = (b.dtype, M, N, K, bs, ast, nbatch, accumulate, scale)
+    one = nbatch == 1 and plan.outer is None
     if M <= SMALL_M and unit_n:
-        _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
+        _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args, ranked=ranked and one)
     elif M <= SMALL_M and unit_ka and unit_kb:
         _plan_small(plan, "dot", None, (s_am, 1, 1, s_bn), bst, *args)
     elif unit_ka and unit_kb and ((N <= DOT_N and K >= DOT_MIN_K) or
@@ -318,9 +325,9 @@ def _make_plan(a, b, shape, accumulate, scale, ranked=False) -> Plan:
                     *args)
         plan.kind = "dot copied-b"
     elif K * N <= RV_MAX_B or (M <= RV_ROWS and K <= RV_ROWS_K and unit_n):
-        _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
+        _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args, ranked=ranked and one)
     else:
-        plan.ranked = ranked and nbatch == 1 and plan.outer is None
+        plan.ranked = ranked and one
         _plan_packed(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args)
     if (not plan.ranked and len(plan.steps) == 1 and not plan.scratch and not plan.partial and not plan.b_copy
             and plan.outer is None):
@@ -350,11 +357,13 @@ def _rowvec_tile(M, N):
     return min(M, max(1, RV_ACC // rn)), rn
 
 
-def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
-    """rowvec over b as given (unit stride along n) or packed first into column blocks."""
+def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale, ranked=False):
+    """rowvec over b as given (unit stride along n) or packed first into column blocks;
+    ranked: its kernel adds gemm's rank_add term in its stores."""
     W = g.lanes()
     rm, rn = _rowvec_tile(M, N)
     s_bk, s_bn = sb
+    plan.ranked = ranked
     if s_bn == 1 or N == 1:
         _plan_small(plan, "rowvec", (rm, rn), (*sa, s_bk, rn * W), bst, bdt, M, N, K, bs, ast,
                     nbatch, acc, scale)
@@ -386,7 +395,7 @@ def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, a
     nrg = -(-M // rm)
     items = nbatch * nrg * ncb
     per = even_chunks(items, max(1, SMALL_CHUNK // max(work, 1)))
-    addr = kernels.get(g.GemmSmallKey(bdt, mode, rm, rn, scale))
+    addr = kernels.get(g.GemmSmallKey(bdt, mode, rm, rn, scale, plan.ranked))
     plan.steps.append((addr, -(-items // per), nbatch * M * N * K,
                        ((A, 0), (b_base, 0), (C, 0)),
                        (M, N, K, *strides, bs[1], bs[2], *ast, *bst, int(acc), per, nrg, ncb,
