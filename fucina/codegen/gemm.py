@@ -740,13 +740,20 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
 
             isz = u.ITEMSIZE[bdt]
             lines = -(-RN * W * isz // 64)
+            # the first row group of a block prefetches its rows RV_PF_ROWS ahead, the second
+            # the next block's (its first row group then finds them in L2), the others again
+            # their own rows (cached by then: a few load slots)
+            nxt = b.and_(b.icmp_signed("==", rg, u.i64(1)),
+                         b.icmp_signed("<", b.add(cb, u.i64(1)), ncb))
+            pf_col = b.select(nxt, b.add(bcol, s_bn), bcol)
+            pf_ahead = b.select(nxt, u.i64(0), u.i64(RV_PF_ROWS))
 
             def kloop(masked):
                 with u.Loop(b, u.i64(0), K, 1, "k") as k:
                     brow = b.add(bcol, b.mul(k, s_bk))
-                    if RV_PF_ROWS and lines <= RV_PF_LINES:   # b's rows k + RV_PF_ROWS
-                        kp = u.smin(b, b.add(k, u.i64(RV_PF_ROWS)), b.sub(K, u.i64(1)))
-                        prow = b.add(bcol, b.mul(kp, s_bk))
+                    if RV_PF_ROWS and lines <= RV_PF_LINES:
+                        kp = u.smin(b, b.add(k, pf_ahead), b.sub(K, u.i64(1)))
+                        prow = b.add(pf_col, b.mul(kp, s_bk))
                         for ln in range(lines):
                             u.prefetch(b, B, b.add(prow, u.i64(ln * 64 // isz)), bdt,
                                        locality=2)
