@@ -472,7 +472,8 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
 def rank_block(b, args, e):
     """The rank_add argument block at index e: (x, y, x's row stride, y's row stride, r, s)."""
     return (u.arg_ptr(b, args, e), u.arg_ptr(b, args, e + 1),
-            *(u.arg(b, args, e + i) for i in (2, 3, 4)), u.splat(b, u.arg_f32(b, args, e + 5), lanes()))
+            *(u.arg(b, args, e + i) for i in (2, 3, 4)),
+            u.splat(b, u.arg_f32(b, args, e + 5), lanes()))
 
 
 def add_rank(b, rk, accs, i0, j0, cmask, masks, C, cbase, N, last_row):

@@ -1,6 +1,8 @@
-"""The exec-layer context: one buffer pool, one lazily started thread team, and launching.
+"""The exec-layer context: one buffer pool, one thread team started by the first launch, and
+launching.
 
-Two contexts share nothing. A context that only ever runs small ops never starts a thread.
+Two contexts share nothing. A context that never launches a kernel never starts a thread; small
+ops run inline on the caller, never waking the team's workers (parked after a short spin).
 """
 from __future__ import annotations
 
