@@ -116,6 +116,28 @@ def test_recording_restores_the_context(setup):
     assert ctx.pool is pool and "launch" not in vars(ctx)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_context_binds_the_runtime_launch(threads):
+    """After its first launch a context's launch is the runtime's own with the team bound (no
+    Python frame per launch); a wrapper set meanwhile is never replaced by that binding, its
+    del brings the method back, and close() drops the binding with the team."""
+    ctx = fu.ExecContext(threads=threads)
+    x = ctx.tensor(np.arange(8, dtype=np.float32), ("i",))
+    (x * 2.0).numpy()
+    bound = vars(ctx)["launch"]
+    assert bound.func is _rt.launch and bound.args == (ctx._team,)
+    assert (ctx._team is None) == (threads == 1)
+    with plan.record(ctx) as rec:
+        assert vars(ctx)["launch"] is not bound
+        np.testing.assert_array_equal((x + 1.0).numpy(), np.arange(8) + 1.0)
+    assert len(rec.launches) == 1 and "launch" not in vars(ctx)
+    (x * 3.0).numpy()
+    assert vars(ctx)["launch"].func is _rt.launch
+    del x, rec   # a recording keeps its buffers alive
+    ctx.close()
+    assert "launch" not in vars(ctx)
+
+
 def test_run_plan_refuses_malformed_plans():
     out = np.zeros(4, np.int64)
     fill = _rt.test_kernel_addr("fill_index")

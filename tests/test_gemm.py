@@ -215,6 +215,8 @@ def test_rank_add_is_the_separate_pass(route, r, monkeypatch):
     for M, K, N, acc in cases:
         for ta in (False, True):
             _both_threads(lambda ctx: run(ctx, M, K, N, acc, ta))
+    if route == "rowvec":   # b = Wᵀ: rowvec packs b first, its rowvec launch adds the term
+        _both_threads(lambda ctx: run(ctx, 37, 2 * g.KC + 9, 70, True, False, tb=True))
     mm._plans.clear()
     monkeypatch.undo()
     mm._plans.clear()

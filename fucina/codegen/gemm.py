@@ -117,6 +117,13 @@ def zero_mask(W):
     return ir.Constant(ir.VectorType(u.I1, W), [ir.Constant(u.I1, 0)] * W)
 
 
+def row_masks(b, mvalid, cmask, R):
+    """masks[r][v]: the column mask cmask[v] on rows r < mvalid of a block of R rows, none past."""
+    W = lanes()
+    return [[b.select(b.icmp_signed("<", u.i64(r), mvalid), m, zero_mask(W)) for m in cmask]
+            for r in range(R)]
+
+
 def _fma(b, x, y, z):
     return u.intrinsic(b, "llvm.fma", z.type, [x, y, z])
 
@@ -589,8 +596,7 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
                     def micro(Rk):
                         """The micro-tile on its first Rk rows (Rk <= R): the rows past M
                         of an edge panel cost no FMAs; every row keeps its FMA chain."""
-                        masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
-                                           zero_mask(W)) for v in range(V)] for r in range(Rk)]
+                        masks = row_masks(b, mvalid, cmask, Rk)
 
                         def tile_io(ptr, load, add=False, scaled=None):
                             """Load the micro-tile from ptr, or store the accumulators there (added
@@ -710,6 +716,8 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
     q0 = b.mul(c0, per)
     q1 = u.smin(b, b.mul(c1, per), items)
     accs = [[u.entry_alloca(b, vt) for _ in range(RN)] for _ in range(RM)]
+    rk = rank_block(b, args, 24) if key.rank_add else None
+    last_row = b.sub(M, u.i64(1))
     with u.Loop(b, q0, q1, 1, "q") as q:
         by_c = b.icmp_signed("!=", cfast, u.i64(0))
         bt = b.sdiv(q, b.mul(nrg, ncb))
@@ -722,7 +730,7 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
         i0 = b.mul(rg, u.i64(RM))
         mvalid = b.sub(M, i0)
         # rows past the edge read row M-1 (in bounds) and are never stored
-        arow = [b.add(aoff, b.mul(u.smin(b, b.add(i0, u.i64(r)), b.sub(M, u.i64(1))), s_am))
+        arow = [b.add(aoff, b.mul(u.smin(b, b.add(i0, u.i64(r)), last_row), s_am))
                 for r in range(RM)]
         for r in range(RM):
             for v in range(RN):
@@ -741,18 +749,20 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
 
             isz = u.ITEMSIZE[bdt]
             lines = -(-RN * W * isz // 64)
-            # the first row group of a block prefetches its rows RV_PF_ROWS ahead, the second
-            # the next block's (its first row group then finds them in L2), the others again
-            # their own rows (cached by then: a few load slots)
-            nxt = b.and_(b.icmp_signed("==", rg, u.i64(1)),
-                         b.icmp_signed("<", b.add(cb, u.i64(1)), ncb))
-            pf_col = b.select(nxt, b.add(bcol, s_bn), bcol)
-            pf_ahead = b.select(nxt, u.i64(0), u.i64(RV_PF_ROWS))
+            pf = RV_PF_ROWS and lines <= RV_PF_LINES
+            if pf:
+                # the first row group of a block prefetches its rows RV_PF_ROWS ahead, the
+                # second the next block's (its first row group then finds them in L2), the
+                # others again their own rows (cached by then: a few load slots)
+                nxt = b.and_(b.icmp_signed("==", rg, u.i64(1)),
+                             b.icmp_signed("<", b.add(cb, u.i64(1)), ncb))
+                pf_col = b.select(nxt, b.add(bcol, s_bn), bcol)
+                pf_ahead = b.select(nxt, u.i64(0), u.i64(RV_PF_ROWS))
 
             def kloop(masked):
                 with u.Loop(b, u.i64(0), K, 1, "k") as k:
                     brow = b.add(bcol, b.mul(k, s_bk))
-                    if RV_PF_ROWS and lines <= RV_PF_LINES:
+                    if pf:
                         kp = u.smin(b, b.add(k, pf_ahead), b.sub(K, u.i64(1)))
                         prow = b.add(pf_col, b.mul(kp, s_bk))
                         for ln in range(lines):
@@ -773,20 +783,17 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
                     kloop(False)
                 with edge:
                     kloop(True)
+            masks = row_masks(b, mvalid, cm, RM)
+            cbase = b.add(coff, b.add(b.mul(i0, N), j0))   # C[i0, j0]
             for r in range(RM):
-                rowok = b.icmp_signed("<", u.i64(r), mvalid)
                 for v in range(RN):
-                    m = b.select(rowok, cm[v], zero_mask(W))
-                    idx = b.add(coff, b.add(b.mul(b.add(i0, u.i64(r)), N), b.add(j0, u.i64(v * W))))
+                    idx = b.add(cbase, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
                     x = _scaled(b, b.load(accs[r][v]), key.scale)
-                    old = u.load(b, C, idx, "f32", W, m)
+                    old = u.load(b, C, idx, "f32", W, masks[r][v])
                     x = b.select(accumulate, b.fadd(old, x), x)
-                    u.store(b, x, C, idx, "f32", m)
-            if key.rank_add:
-                masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cm[v], zero_mask(W))
-                          for v in range(RN)] for r in range(RM)]
-                add_rank(b, rank_block(b, args, 24), accs, i0, j0, cm, masks, C,
-                         b.add(coff, b.add(b.mul(i0, N), j0)), N, b.sub(M, u.i64(1)))
+                    u.store(b, x, C, idx, "f32", masks[r][v])
+            if rk is not None:
+                add_rank(b, rk, accs, i0, j0, cm, masks, C, cbase, N, last_row)
         else:
             j0 = b.mul(cb, u.i64(RN))
             nvalid = b.sub(N, j0)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import (by_height, mask_upto, zero_mask, lanes, next_tile_offset,
+from .gemm import (by_height, mask_upto, zero_mask, lanes, next_tile_offset, row_masks,
                    prefetch_next_tile, transpose)
 from .kernels import KernelKey, register
 from .target import host
@@ -506,8 +506,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
 
                     def micro(Rk):
                         """The micro-tile on its first Rk rows (gemm.by_height)."""
-                        masks = [[b.select(b.icmp_signed("<", u.i64(r), mvalid), cmask[v],
-                                           zero_mask(W)) for v in range(V)] for r in range(Rk)]
+                        masks = row_masks(b, mvalid, cmask, Rk)
 
                         def cidx(r, v):
                             return b.add(coff, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
