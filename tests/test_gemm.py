@@ -157,9 +157,11 @@ def test_direct_b_two_column_blocks(ta, tb, force_direct, monkeypatch):
 def test_two_threads_get_equal_halves():
     """The runtime hands each of two threads a contiguous half of a launch's chunks, so the
     direct-b plans of the LoRA step's M = 256 products launch an even number of pack and tile
-    chunks (18 column panels: 18 blocks of one, not 9 of two run as 5 + 4), bits unchanged."""
-    assert [mm.even_blocks(n, m) for n, m in ((18, 2), (48, 6), (20, 2), (7, 1), (1, 8))] == \
-        [1, 6, 2, 1, 1]
+    chunks (18 column panels: 18 blocks of one, not 9 of two run as 5 + 4; 28 panels: 14 blocks
+    of two, not 10 of three run as 15 + 13 panels), bits unchanged."""
+    assert [mm.even_blocks(n, m) for n, m in ((18, 2), (48, 6), (20, 2), (7, 1), (1, 8),
+                                               (28, 3), (152, 8), (18, 8))] == \
+        [1, 6, 2, 1, 1, 2, 4, 3]
     rng = np.random.default_rng(3)
     for M, K, N in ((256, 576, 576), (256, 1536, 576), (200, 576, 576)):
         A, W = _data(rng, M, K), _data(rng, N, K)

@@ -131,6 +131,31 @@ def test_thread_invariance(fmt, M):
     assert_bitwise(out[0], out[1])
 
 
+@pytest.mark.parametrize("N", [192, 576, 896])
+def test_few_tiles_split_evenly_for_two_threads(N):
+    """A prompt of tens of rows is one M block: N is cut into an even number of blocks of
+    equal panel counts (two threads take a contiguous half each: SmolLM2's 576 outputs made
+    3 tiles, run as 2 + 1), bitwise the f32 GEMM at 1 and 2 threads."""
+    K = 576
+    raw = blocks_for(rnd(N, K), "q4_1")
+    xa = rnd(55, K)
+    out = []
+    for threads in (1, 2):
+        with fu.ExecContext(threads=threads) as c:
+            q = fu.Tensor(xq.from_bytes(c, raw.tobytes(), (N, K), "q4_1"), ("o", "i"))
+            x = c.tensor(xa, ("s", "i"))
+            tile = xq._mm_plan(x._raw, q._raw).steps[-1]
+            NC = tile[4][5]
+            blocks = [min(NC, N - n0) for n0 in range(0, N, NC)]
+            assert tile[1] == len(blocks) and len(blocks) % 2 == 0
+            half = len(blocks) // 2
+            assert sum(blocks[:half]) == sum(blocks[half:])
+            out.append(x.dot(q, "i").numpy())
+            wt = q.to("f32")._raw.permute((1, 0))
+            assert_bitwise(out[-1], mm.gemm(c, x._raw, wt).to_numpy())
+    assert_bitwise(out[0], out[1])
+
+
 def test_layouts_and_tags(ctx1):
     """Any rank and axis order of x: result tags = x's free tags (x's order), then w's."""
     q, wd = qweight(ctx1, 24, 64, "q8_0")
