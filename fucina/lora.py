@@ -41,7 +41,7 @@ from .ag.elementwise import add_scaled
 from .ag.engine import Leaf, no_grad, sole_view
 from .ag.matmul import add_scaled_dot_into, lora_linear
 from .ag.tensor import Tensor
-from .errors import (DTypeError, InvalidDropout, InvalidRank, MutableDataRequiresNoGrad,
+from .errors import (DTypeError, InvalidArgument, InvalidDropout, InvalidRank, MutableDataRequiresNoGrad,
                      ReadOnlyStorage, ShapeMismatch, TagError, UseAfterRelease)
 from .exec.quant import BLOCKS
 from .io.state_dict import NamedTensor, NamedTensorMut
@@ -229,30 +229,36 @@ class Adapter:
             return Tensor._result(*add_scaled_dot_into(base, xa, self.b, RANK_TAG, self.scale))
         return Tensor._result(*add_scaled(base, xa.dot(self.b, RANK_TAG), self.scale))
 
-    def project(self, x, w, dropout_seed: int | None = None):
-        """x.dot(w, in_tag) + delta(x): apply() over the frozen projection w [out, in], with
-        the rank product added in the projection's own GEMM (ag.matmul.lora_linear) when w
-        is a frozen f32 weight, x's in tag is its last axis and no dropout runs — the same
-        bits as the dot and apply(reuse_base=True), without their pass over [.., out] forward
-        or over [.., in] backward; otherwise exactly those two."""
+    def project(self, x, w, dropout_seed: int | None = None, compute: str = "f32"):
+        """x.dot(w, in_tag) + delta(x) — with compute="bf16" x.dot_bf16(w, in_tag) + delta(x)
+        — : apply() over the frozen projection w [out, in], with the rank product added in
+        the projection's own GEMM (ag.matmul.lora_linear) when w is a frozen f32 weight (f32
+        or bf16 with compute="bf16"), x's in tag is its last axis and no dropout runs — the
+        same bits as the dot and apply(reuse_base=True), without their pass over [.., out]
+        forward or over [.., in] backward; otherwise exactly those two."""
         op = "lora.Adapter.project"
         self._check_input(op, x)
         if not isinstance(w, Tensor):
             raise TypeError(f"{op}: expected w to be a fucina Tensor, got {type(w).__name__}")
+        if compute not in ("f32", "bf16"):
+            raise InvalidArgument(f"{op}: expected compute 'f32' or 'bf16', got {compute!r}")
         same_ctx(op, x, w)
         rw = w._live(op)
         want = (self.b.shape[0], self.a.shape[1])
         if sorted(w.tags) != sorted((self.out_tag, self.in_tag)):
             raise TagError(f"{op}: expected w tagged ({self.out_tag!r}, {self.in_tag!r}), got "
                            f"{w.tags}")
+        bf16 = compute == "bf16"
         p = self.dropout_p if dropout_seed is not None else 0.0
-        if (p != 0.0 or rw.dtype != "f32" or w.requires_grad or x._raw.rank != 2
+        if (p != 0.0 or rw.dtype not in (("f32", "bf16") if bf16 else ("f32",))
+                or w.requires_grad or x._raw.rank != 2
                 or x.tags[-1] != self.in_tag or w.tags != (self.out_tag, self.in_tag)):
-            return self.apply(x, x.dot(w, self.in_tag), dropout_seed, reuse_base=True)
+            base = x.dot_bf16(w, self.in_tag) if bf16 else x.dot(w, self.in_tag)
+            return self.apply(x, base, dropout_seed, reuse_base=True)
         if rw.shape != want:
             raise ShapeMismatch(f"{op}: expected w of shape {want}, got {rw.shape}")
         require_scope(op, x, self.a, self.b)
-        return Tensor._result(*lora_linear(x, w, self.a, self.b, self.scale))
+        return Tensor._result(*lora_linear(x, w, self.a, self.b, self.scale, bf16))
 
     # ---- training / state dicts ----
     def register_params(self, opt, prefix: str) -> None:

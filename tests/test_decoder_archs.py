@@ -264,14 +264,16 @@ def test_checkpointed_layers_are_bitwise_on_gemma3(tiny, ctx1):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma3"])
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
-def test_projections_with_the_delta_fused_keep_the_bits(tmp_path, ctx1, arch, ckpt):
+@pytest.mark.parametrize("compute", ["f32", "bf16"])
+def test_projections_with_the_delta_fused_keep_the_bits(tmp_path, ctx1, arch, ckpt, compute):
     """The trainer's hook projects through Adapter.project (the rank product in the frozen
-    projection's GEMM; qwen2's biased q, k, v the plain way): three AdamW steps give the
-    losses and adapter gradients, bit for bit, of the hook without it (dot, then apply)."""
+    projection's GEMM, f32 or bf16 compute; qwen2's biased q, k, v the plain way): three AdamW
+    steps give the losses and adapter gradients, bit for bit, of the hook without it (dot or
+    dot_bf16, then apply)."""
     from fucina.llm.decoder import train
     kw = GEMMA if arch == "gemma3" else {"arch": arch}
     path = build_tiny_model(tmp_path / f"{arch}.gguf", seed=13, **kw)
-    model = Model.from_gguf(ctx1, path)
+    model = Model.from_gguf(ctx1, path, compute=compute)
     runs = []
     for fused in (True, False):
         tr = Trainer(model, TARGETS, fu.lora.LoraConfig(4, 8.0), seed=7, checkpoint_layers=ckpt)
@@ -280,8 +282,8 @@ def test_projections_with_the_delta_fused_keep_the_bits(tmp_path, ctx1, arch, ck
         tokens = ids(13, seed=8)
         hook, took = train._Lora.project, []
 
-        def counted(self, name, x, w):
-            y = hook(self, name, x, w)
+        def counted(self, name, x, w, compute):
+            y = hook(self, name, x, w, compute)
             took.append(y._node is None or y._node.name == "lora_linear")   # None: no grad
             return y
         if fused:

@@ -252,7 +252,7 @@ def test_packing_rounds_every_edge_as_the_spec(ctx1, ta):
     a = operand(ctx1, A, ta)
     w = ctx1.from_numpy(np.ones((K, 3), np.float32), dtype="bf16")
     gemm_bf16(ctx1, a, w)
-    plan = mb._plans[(a.lay, w.lay, None)]
+    plan = mb._plans[(a.lay, w.lay, None, False, False)]
     scratch = ctx1.empty((plan.words,), "f32")
     for k0, (addr, n, cost, tail), _ in plan.slices:
         ctx1.launch(addr, n, cost, a.addr + k0 * a.strides[1] * 4, scratch.addr, *tail)
@@ -313,6 +313,62 @@ def test_k_slices_and_c_prefetch_keep_the_bits(tb, monkeypatch):
     for o in outs[1:]:
         assert_bitwise(outs[0], o)
     check_close(outs[0], A, B)
+
+
+@pytest.mark.parametrize("M,K,N", [(40, 300, 70), (60, 1100, 100), (30, 2400, 50)],
+                         ids=["one-kc", "kc-blocks", "k-slices"])
+def test_accumulate_and_rank_add_are_the_separate_passes(M, K, N):
+    """out += bf16(a)·bf16(b) adds each final sum once (partial sums of earlier KC blocks wait
+    in a place of their own), and rank_add (x, y, s) adds s·(x·y) in the tile stores: the bits
+    of the product, then out + it, then gemm(x, y, out, accumulate=True, scale=s) — one KC
+    block, several, and a k in slices (there the separate passes themselves); 1 and 2
+    threads."""
+    from fucina.exec.matmul import gemm
+    rng = np.random.default_rng(M)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    B = rng.standard_normal((K, N)).astype(np.float32)
+    X = rng.standard_normal((M, 8)).astype(np.float32)
+    Y = rng.standard_normal((8, N)).astype(np.float32)
+    C0 = rng.standard_normal((M, N)).astype(np.float32)
+    for th in (1, 2):
+        with fu.ExecContext(threads=th) as ctx:
+            a, b = ctx.from_numpy(A), operand(ctx, B, True, "bf16")
+            x, y = ctx.from_numpy(X), ctx.from_numpy(Y)
+            rank = (x, y, 0.375)
+            for acc in (False, True):
+                want = gemm_bf16(ctx, a, b)
+                if acc:
+                    s = ctx.from_numpy(C0 + want.to_numpy())       # numpy's f32 add
+                    want = s
+                gemm(ctx, x, y, out=want, accumulate=True, scale=0.375)
+                for ranked in (False, True):
+                    out = ctx.from_numpy(C0.copy()) if acc else None
+                    got = gemm_bf16(ctx, a, b, out=out, accumulate=acc,
+                                    rank_add=rank if ranked else None)
+                    if ranked:
+                        assert_bitwise(got.to_numpy(), want.to_numpy())
+                    else:
+                        plain = gemm_bf16(ctx, a, b).to_numpy()
+                        assert_bitwise(got.to_numpy(), C0 + plain if acc else plain)
+            plan = mb._plans[(a.lay, b.lay, None, True, True)]
+            assert plan.ranked == (K <= 2 * mb.K_SLICE)
+            assert bool(plan.partial) == (K <= 2 * mb.K_SLICE and K > mb._kc(K))
+
+
+def test_accumulate_and_rank_add_errors(ctx1):
+    a = ctx1.from_numpy(np.ones((3, 4), np.float32))
+    b = ctx1.from_numpy(np.ones((4, 5), np.float32), dtype="bf16")
+    with pytest.raises(fu.InvalidArgument, match="accumulate=True needs out"):
+        gemm_bf16(ctx1, a, b, accumulate=True)
+    with pytest.raises(fu.ShapeMismatch, match=r"operand out: expected a contiguous f32 tensor "
+                                               r"of shape \(3, 5\), got f32 \(3, 4\)"):
+        gemm_bf16(ctx1, a, b, out=ctx1.from_numpy(np.ones((3, 4), np.float32)))
+    with pytest.raises(ValueError, match="operand out: expected a buffer distinct"):
+        sq = ctx1.from_numpy(np.ones((4, 4), np.float32))
+        gemm_bf16(ctx1, sq, sq, out=sq)
+    x, y = ctx1.from_numpy(np.ones((3, 2), np.float32)), ctx1.from_numpy(np.ones((3, 5), np.float32))
+    with pytest.raises(fu.ShapeMismatch, match=r"rank_add: expected x \[3, r\] and y \[r, 5\]"):
+        gemm_bf16(ctx1, a, b, rank_add=(x, y, 1.0))
 
 
 def test_cold_compile_equals_warm_load(tmp_path, monkeypatch):

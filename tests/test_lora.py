@@ -254,6 +254,52 @@ def test_project_is_the_dot_then_apply_bitwise(M, K, N):
                 ad.project(x, ctx.tensor(randn(11, 16), ("out", "in")))
 
 
+@pytest.mark.parametrize("M,K,N", [(200, 600, 500), (50, 1536, 576), (30, 40, 2400),
+                                   (30, 2400, 40), (9, 16, 12)])
+@pytest.mark.parametrize("other", [True, False], ids=["two-consumers", "one"])
+def test_project_bf16_is_the_dot_bf16_then_apply_bitwise(M, K, N, other):
+    """compute="bf16": project(x, w) is x.dot_bf16(w) + delta(x) with the rank product in the
+    bf16 GEMM's tile stores, forward and dx (exec.matmul_bf16's rank_add and accumulate):
+    its output and the gradients of x (alone, or on top of another consumer's), A and B keep
+    the bits of x.dot_bf16(w) then apply(reuse_base=True), at 1 and 2 threads, a bf16 and an
+    f32 w, for one KC block, several and a k in slices (forward or dx)."""
+    x_np, w_np, g_np = randn(M, K), randn(N, K, s=0.05), randn(M, N)
+    for th, wdt in ((1, "bf16"), (2, "bf16"), (2, "f32")):
+        with fu.ExecContext(threads=th) as ctx:
+            ad = make(ctx, in_dim=K, out_dim=N, rank=8, alpha=16.0)
+            w = ctx.tensor(w_np, ("out", "in"), dtype=wdt)
+            outs = []
+            for fused in (True, False):
+                x = ctx.variable(x_np, ("seq", "in"))
+                with ctx.exec_scope():
+                    h = x.scale(0.5)
+                    y = ad.project(h, w, compute="bf16") if fused else \
+                        ad.apply(h, h.dot_bf16(w, "in"), reuse_base=True)
+                    assert (y._node.name == "lora_linear") == fused
+                    loss = (y * ctx.tensor(g_np, y.tags)).sum_all()
+                    if other:
+                        loss = loss.add((h * ctx.tensor(x_np, h.tags)).sum_all())
+                    loss.backward()
+                    outs.append([y.numpy(), x.grad().numpy(), ad.a.grad().numpy(),
+                                 ad.b.grad().numpy()])
+                ad.a.zero_grad()
+                ad.b.zero_grad()
+            for got, want in zip(*outs):
+                assert_bitwise(got, want)
+    with fu.ExecContext(threads=1) as ctx:
+        ad = make(ctx, in_dim=16, out_dim=12, rank=3, p=0.25)
+        x = ctx.variable(randn(9, 16), ("seq", "in"))
+        w = ctx.tensor(randn(12, 16), ("out", "in"), dtype="bf16")
+        with ctx.exec_scope():
+            y = ad.project(x, w, dropout_seed=7, compute="bf16")           # dropout: two ops
+            assert y._node.name != "lora_linear"
+            want = ad.apply(x, x.dot_bf16(w, "in"), dropout_seed=7)
+            assert_bitwise(y.numpy(), want.numpy())
+        with fu.no_grad(), pytest.raises(fu.InvalidArgument, match="expected compute 'f32' or "
+                                                                   "'bf16', got 'f16'"):
+            ad.project(x, w, compute="f16")
+
+
 def test_dropout_seed_modes(ctx):
     ad = make(ctx, p=0.5)
     plain = make(ctx, p=0.0)   # the same seed: the same A and B

@@ -15,6 +15,7 @@ from ..exec import elementwise as ew
 from ..exec import reduce as red
 from ..exec import matmul as mm
 from ..exec.matmul import gemm
+from ..exec.matmul_bf16 import gemm_bf16
 from ..exec.dtypes import BLOCKS
 from .checks import same_ctx
 from .elementwise import add_scaled_grads
@@ -119,7 +120,7 @@ def _add_scaled_dot_grads(saved, dot_saved, needs, g):
     return gb, gx, gy
 
 
-def lora_linear(x, w, a, bm, s: float):
+def lora_linear(x, w, a, bm, s: float, bf16: bool = False):
     """x.dot(w, in) + (x.dot(a, in).dot(bm, rank)).scale(s) (lora.Adapter.project): w [out,
     in] frozen, a [rank, in], bm [out, rank], every tag and shape checked by the caller, all
     f32; x [seq, in] with `in` its last axis. The rank product s·(xa·bmᵀ) is added in the
@@ -127,6 +128,8 @@ def lora_linear(x, w, a, bm, s: float):
     adds dxa·a into dx in the tile stores of dx = g·w the same way: one node, no [seq, out]
     or [seq, in] pass for the rank side. Each gradient is the unfused ops' (the same GEMMs and
     roundings); dx's two parts reach x's accumulator together, when this node runs.
+    bf16: the base is x.dot_bf16(w, in) instead (w bf16 or f32; forward and dx through
+    exec.matmul_bf16 with the rank term in its tile stores), the adapters' products f32.
     Returns finish_op's triple."""
     xr, wr, ar, br = x._raw, w._raw, a._raw, bm._raw
     ctx = xr.ctx
@@ -135,12 +138,15 @@ def lora_linear(x, w, a, bm, s: float):
     xa_tags = axes.dot_tags("dot", x.tags, xr.shape, a.tags, ar.shape, in_tag)
     xa = es.einsum(ctx, xr, x.tags, ar, a.tags, xa_tags)
     bt = ew.materialize(ctx, br.permute((1, 0)))                # [rank, out]: rows along out
-    y = es.einsum(ctx, xr, x.tags, wr, w.tags, out_tags, rank_add=(xa, bt, s))
+    if bf16:
+        y = gemm_bf16(ctx, xr, wr.permute((1, 0)), rank_add=(xa, bt, s))
+    else:
+        y = es.einsum(ctx, xr, x.tags, wr, w.tags, out_tags, rank_add=(xa, bt, s))
 
     def make_vjp(needs):
         kept = (xr if needs[1] else None, xa if needs[2] else None)
         return functools.partial(_lora_linear_grads, (ctx, kept, x.tags, w, a, bm, bt, s,
-                                                      out_tags, xa_tags, y.shape), needs)
+                                                      out_tags, xa_tags, y.shape, bf16), needs)
     return finish_op("lora_linear", y, out_tags, (x, a, bm), make_vjp, into=True)
 
 
@@ -149,7 +155,7 @@ def _lora_linear_grads(saved, needs, g, acc=(None, None, None)):
     da = dxaᵀ·x, and dx = [acc +] g·w + dxa·a with the rank part in dx's tile stores. dxa
     reads bm through the forward's [rank, out] copy bt where the GEMM would copy bm so first
     (the same kernel on the same [rank, out] values: the bits of the chain, one launch less)."""
-    ctx, (xr, xa), xt, w, a, bm, bt, s, out_tags, xa_tags, shape = saved
+    ctx, (xr, xa), xt, w, a, bm, bt, s, out_tags, xa_tags, shape, bf16 = saved
     wr, ar, br = w._raw, a._raw, bm._raw
     _, gs = add_scaled_grads(ctx, shape, s, (False, True), g)
     gxa = None
@@ -162,7 +168,10 @@ def _lora_linear_grads(saved, needs, g, acc=(None, None, None)):
     gx = None
     if needs[0]:
         into = {} if acc[0] is None else {"out": acc[0], "accumulate": True}
-        gx = es.einsum(ctx, g, out_tags, wr, w.tags, xt, rank_add=(gxa, ar, 1.0), **into)
+        if bf16:
+            gx = gemm_bf16(ctx, g, wr, rank_add=(gxa, ar, 1.0), **into)
+        else:
+            gx = es.einsum(ctx, g, out_tags, wr, w.tags, xt, rank_add=(gxa, ar, 1.0), **into)
     return gx, ga, gb
 
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import (by_height, mask_upto, zero_mask, lanes, next_tile_offset, row_masks,
-                   prefetch_next_tile, transpose)
+from .gemm import (add_rank, by_height, mask_upto, zero_mask, lanes, next_tile_offset,
+                   prefetch_next_tile, rank_block, row_masks, transpose)
 from .kernels import KernelKey, register
 from .target import host
 
@@ -343,6 +343,11 @@ class GemmBf16TileKey(KernelKey):
     C contiguous [M, N].
     native: vdpbf16ps (AVX-512 BF16) or its FMA emulation — the same bits. b_mode: how b's
     panels are packed (gemm_bf16_pack's modes: wvec = unit stride along n, kvec = along k).
+    accumulate (one k slice): C += the product, each final sum added to C's value as it is
+    stored (one rounding: the bits of the product added after it); 15 = P, a contiguous
+    [M, N] place for the partial sums of earlier KC blocks (C when K is one block).
+    ranked (one k slice): the argument block after those (gemm.rank_block) adds s·(x·y) to
+    each final result as it is stored (gemm.add_rank: the bits of the separate pass after).
     """
     family = "gemm_bf16_tile"
     mr: int
@@ -352,6 +357,8 @@ class GemmBf16TileKey(KernelKey):
     b_dtype: str   # f32 | bf16
     b_mode: str    # wvec | kvec | any
     pf_c: bool = False   # prefetch the next micro-tile's C lines (gemm.prefetch_next_tile)
+    accumulate: bool = False
+    ranked: bool = False
 
     def ir(self, symbol: str) -> str:
         return str(_build_tile(self, symbol))
@@ -438,6 +445,10 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                                                                for i in range(3, 15))
     cont = b.icmp_signed("!=", cflag, u.i64(0))
     Mp = b.mul(b.sdiv(b.add(M, u.i64(R - 1)), u.i64(R)), u.i64(R))
+    # where the partial sums of earlier KC blocks wait: C itself, or P when C is added to
+    part = u.arg_ptr(b, args, 15) if key.accumulate else C
+    rk = rank_block(b, args, 16 if key.accumulate else 15) if key.ranked else None
+    last_row = b.sub(M, u.i64(1))
     dp = _dp_native(b, W) if key.native else _dp_emulated(b, W)
     bp = u.entry_alloca(b, ir.ArrayType(u.I32, KC // 2 * NRc))
     bp.align = 64
@@ -457,6 +468,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
             kcl = u.smin(b, kc, b.sub(K, k0))
             kpl = b.sdiv(b.add(kcl, u.i64(1)), two)
             first = b.and_(b.icmp_signed("==", k0, u.i64(0)), b.not_(cont))
+            last = b.icmp_signed(">=", b.add(k0, kcl), K)
             kp0 = b.sdiv(k0, two)
             ablk = b.mul(kp0, Mp)
             with u.Loop(b, col0, col1, NRc, "j0") as j0:
@@ -519,8 +531,8 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                             with other:
                                 for r in range(Rk):
                                     for v in range(V):
-                                        b.store(u.load(b, C, cidx(r, v), "f32", W, masks[r][v]),
-                                                accs[r][v])
+                                        b.store(u.load(b, part, cidx(r, v), "f32", W,
+                                                       masks[r][v]), accs[r][v])
 
                         def step(kk):
                             bv = []
@@ -537,9 +549,28 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                                     b.store(dp(b.load(accs[r][v]), av, bv[v]), accs[r][v])
 
                         u.unrolled(b, u.i64(0), kpl, U, step)
-                        for r in range(Rk):
-                            for v in range(V):
-                                u.store(b, b.load(accs[r][v]), C, cidx(r, v), "f32", masks[r][v])
+
+                        def store(ptr, add=False):
+                            for r in range(Rk):
+                                for v in range(V):
+                                    x = b.load(accs[r][v])
+                                    if add:
+                                        x = b.fadd(u.load(b, ptr, cidx(r, v), "f32", W,
+                                                          masks[r][v]), x)
+                                    u.store(b, x, ptr, cidx(r, v), "f32", masks[r][v])
+
+                        if not key.accumulate:
+                            store(C)
+                        else:
+                            with b.if_else(last) as (then, other):
+                                with then:
+                                    store(C, add=True)
+                                with other:
+                                    store(part)
+                        if rk is not None:
+                            with b.if_then(last):
+                                add_rank(b, rk, accs, i0, j0, cmask, masks, C, coff, N,
+                                         last_row)
                     by_height(b, mvalid, R, EDGE_ROWS, micro)
     b.ret_void()
     return mod

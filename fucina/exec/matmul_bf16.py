@@ -8,12 +8,16 @@ launches (per k slice, for a long k): pack A into pair panels, then a grid of (M
 N-block) tiles fixed by the problem size, each packing its panels of b into L1 as it goes —
 bitwise identical for any thread count. M blocks are large (b, the frozen weight, is read
 once per M block) and N blocks small enough that there are several chunks for the threads.
+The tile kernel can also add the product to out and a LoRA delta in its stores (accumulate,
+rank_add: a bf16 projection with its adapter in one GEMM, forward and dx).
 """
 from __future__ import annotations
 
 from ..codegen import gemm_bf16 as g
 from ..codegen import kernels
-from ..errors import DTypeError, ShapeMismatch
+from ..errors import DTypeError, InvalidArgument, ShapeMismatch
+from . import elementwise as ew
+from . import matmul as mm
 from .matmul import PF_C_MIN, blocks, pack_groups
 from .raw import RawTensor
 
@@ -27,9 +31,11 @@ _plans: dict = {}
 
 class Plan:
     """The launches of one layout pair: per k slice, (k0, pack A, tiles), each an (addr,
-    n_chunks, cost, tail); `words` is the size of a slice of A's panels."""
+    n_chunks, cost, tail); `words` is the size of a slice of A's panels; `partial` the floats
+    of the partial sums' place when C is added to over several KC blocks; `ranked` whether
+    the tile kernel adds a rank_add term."""
 
-    __slots__ = ("shape", "words", "slices")
+    __slots__ = ("shape", "words", "slices", "partial", "ranked")
 
 
 def _check(a, b):
@@ -52,26 +58,70 @@ def _check(a, b):
                             f"{b.shape}")
 
 
-def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None) -> RawTensor:
+def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None,
+              out: RawTensor | None = None, accumulate: bool = False,
+              rank_add=None) -> RawTensor:
     """c[M, N] = bf16(a[M, K]) · bf16(b[K, N]), f32 sums over k pairs in increasing order.
-    native: None = the instruction when the host has it; False = the emulation (tests)."""
+    native: None = the instruction when the host has it; False = the emulation (tests).
+    out: the contiguous f32 [M, N] to write (accumulate=True: out += the product, each sum
+    added to out's value once). rank_add (x [M, r], y [r, N], s): then c += s·(x·y) exactly
+    as matmul.gemm(x, y, out=c, accumulate=True, scale=s) run after this one — in the tile
+    kernel's stores (a LoRA delta on a bf16 projection, forward, and its dx), or as that pass
+    when k runs in slices."""
+    ranked = rank_add is not None
+    key = (a.lay, b.lay, native, accumulate, ranked)
     try:
-        plan = _plans[(a.lay, b.lay, native)]
+        plan = _plans[key]
     except (KeyError, AttributeError):
         _check(a, b)
-        plan = _plans[(a.lay, b.lay, native)] = _make_plan(a, b, g.native() if native is None
-                                                           else native)
+        plan = _plans[key] = _make_plan(a, b, g.native() if native is None else native,
+                                        accumulate, ranked)
     if ctx.closed:
         ctx.check_open("matmul_bf16")
-    out = ctx.empty(plan.shape)
+    if out is None:
+        if accumulate:
+            raise InvalidArgument("matmul_bf16: accumulate=True needs out, the tensor to add to")
+        out = ctx.empty(plan.shape)
+    else:
+        _check_out(a, b, out, plan.shape)
+    if len(plan.slices) > 1 and (accumulate or ranked):
+        # k in slices continues its sums in C: the product, then its addition, then the rank
+        # term, each its own pass (the same roundings)
+        if accumulate:
+            c = gemm_bf16(ctx, a, b, native)
+            ew.run(ctx, "add", "f32", plan.shape, (out, c), out=out)
+            del c
+        else:
+            gemm_bf16(ctx, a, b, native, out=out)
+        if ranked:
+            x, y, scale = rank_add
+            mm.gemm(ctx, x, y, out=out, accumulate=True, scale=scale)
+        return out
+    extra = ()
+    if accumulate:
+        p = ctx.empty((plan.partial,), "f32") if plan.partial else out
+        extra = (p.addr,)
+    if ranked:
+        extra += mm._rank_args(plan, out, rank_add)
     s = ctx.empty((plan.words,), "f32")
     sp = s.addr
     sa, sb = a.strides[1] * 4, b.strides[0] * b.lay.itemsize
     for k0, (addr, n, cost, tail), (taddr, tn, tcost, ttail) in plan.slices:
         ctx.launch(addr, n, cost, a.addr + k0 * sa, sp, *tail)
-        ctx.launch(taddr, tn, tcost, sp, b.addr + k0 * sb, out.addr, *ttail)
+        ctx.launch(taddr, tn, tcost, sp, b.addr + k0 * sb, out.addr, *ttail, *extra)
     del s
     return out
+
+
+def _check_out(a, b, out, shape):
+    op = "matmul_bf16"
+    if not isinstance(out, RawTensor) or out.dtype != "f32" or out.shape != shape \
+            or not out.is_contiguous():
+        raise ShapeMismatch(f"{op}: operand out: expected a contiguous f32 tensor of shape "
+                            f"{shape}, got {getattr(out, 'dtype', type(out).__name__)} "
+                            f"{getattr(out, 'shape', '')}")
+    if out.buf is a.buf or out.buf is b.buf:
+        raise ValueError(f"{op}: operand out: expected a buffer distinct from a's and b's")
 
 
 def _mode(rows, K, s_w, s_k):
@@ -96,7 +146,7 @@ def _pack(dtype, width, rows, K, s_w, s_k, kc):
             (rows, K, s_w, s_k, kc, npan, per, groups)), words
 
 
-def _make_plan(a, b, native: bool) -> Plan:
+def _make_plan(a, b, native: bool, accumulate: bool = False, ranked: bool = False) -> Plan:
     plan = Plan()
     M, K = a.shape
     N = b.shape[1]
@@ -107,13 +157,17 @@ def _make_plan(a, b, native: bool) -> Plan:
     # A stays in cache across the N blocks instead of streaming from memory once per N block
     KS = K if K <= 2 * K_SLICE else K_SLICE
     kc = _kc(KS)
+    fused = KS == K      # one slice: the tile kernel adds to C and the rank term itself
+    plan.ranked = ranked and fused
+    plan.partial = M * N if fused and accumulate and K > kc else 0
     s_bk, s_bn = b.strides
     mpn, npn = -(-M // MR), -(-N // NR)
     MC = blocks(mpn, MC_PANELS) * MR
     NC = min(blocks(npn, NC_PANELS), -(-npn // N_CHUNKS)) * NR
     nmb, nnb = -(-M // MC), -(-N // NC)
     addr = kernels.get(g.GemmBf16TileKey(MR, g.NR_VECS, g.UNROLL, native, b.dtype,
-                                         _mode(N, K, s_bn, s_bk), M * N >= PF_C_MIN))
+                                         _mode(N, K, s_bn, s_bk), M * N >= PF_C_MIN,
+                                         accumulate and fused, plan.ranked))
     plan.slices = []
     plan.words = 0
     for k0 in range(0, K, KS):

@@ -22,7 +22,8 @@ Everything else — norms, RoPE, attention, softmax, the loss, any adapter — s
 One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
 deltas to the frozen projections (None = the plain model; the layer never reads a base after
 handing it to the hook, which may write its result over it; a hook with `project(name, input,
-w)` computes an unbiased f32 projection and its delta itself, in one GEMM):
+w, compute)` computes an unbiased projection (in f32, or in bf16 for compute="bf16") and its
+delta itself, in one GEMM):
     attn_in = x.rms_norm_mul("embed", attn_norm, eps)
     q, k, v = attn_in · Wq/Wk/Wv (a fused attn_qkv weight is split after its one dot)
     q_rope = q3.rms_norm_mul_rope_half_prepared("seq", "d", q_norm, eps, table)   (same for k)
@@ -214,10 +215,10 @@ class Model:
 
     def _project(self, name: str, x: Tensor, w: Tensor, adapt, bias=None) -> Tensor:
         """x · w (+ bias), then adapt(name, x, base); in one GEMM when the hook has
-        project(name, x, w) and takes it (f32 compute, no bias: Adapter.project)."""
-        if adapt is not None and bias is None and self.compute == "f32" and \
-                not self.q8_matvec and hasattr(adapt, "project"):
-            y = adapt.project(name, x, w)
+        project(name, x, w, compute) and takes it (no bias: Adapter.project)."""
+        if adapt is not None and bias is None and not self.q8_matvec and \
+                hasattr(adapt, "project"):
+            y = adapt.project(name, x, w, self.compute)
             if y is not None:
                 return y
         base = self.dot(x, w, LINEARS[name][1])

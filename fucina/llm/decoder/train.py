@@ -119,10 +119,10 @@ class _Lora:
         ad = self.adapters.get(name)
         return base if ad is None else ad.apply(x, base, self.seeds.get(name), reuse_base=True)
 
-    def project(self, name, x, w):
+    def project(self, name, x, w, compute="f32"):
         """x · w plus the delta in one GEMM (Adapter.project); None without an adapter."""
         ad = self.adapters.get(name)
-        return None if ad is None else ad.project(x, w, self.seeds.get(name))
+        return None if ad is None else ad.project(x, w, self.seeds.get(name), compute)
 
 
 def _bound(ad: Adapter, a: Tensor, b: Tensor) -> Adapter:
