@@ -573,11 +573,15 @@ class QuantTileKey(KernelKey):
 
 
 def _decoded_b(fmt, b, args, N, K, NR):
-    """The B panel hook: w (argument 1) has one batch; each panel is decoded into one buffer."""
+    """The B panel hook: w (argument 1) has one batch; each panel is decoded into one buffer.
+    Its lookahead prefetches the next panel's blocks while this one's MR panels run: NR rows
+    of w, each read a KC block's worth of bytes at a time, row_bytes apart — no hardware
+    prefetcher follows that (a prompt's rows stream the whole weight from memory)."""
     W = lanes()
     bs, nbytes = FORMATS[fmt]
     assert bs % W == 0, (bs, W)
     w = u.arg_ptr(b, args, 1)
+    kc = u.arg(b, args, 7)
     row_bytes = b.mul(b.sdiv(K, u.i64(bs)), u.i64(nbytes))
     panel = _buffer(b, KC * NR)
     tmp = _buffer(b, W * bs)
@@ -585,7 +589,27 @@ def _decoded_b(fmt, b, args, N, K, NR):
     def decode(bt, k0, kcl, j0):
         _decode_panel(b, fmt, w, row_bytes, j0, N, k0, kcl, tmp, panel, NR)
         return panel
-    return decode
+
+    def ahead(bt, k0, j0, col0, col1, part, parts):
+        """A 1/parts share of the next panel's lines (the tile's next NR rows of w, or its
+        first ones in the next KC block), per MR panel run (as gemm_tile_direct's)."""
+        jn = b.add(j0, u.i64(NR))
+        wrap = b.icmp_signed(">=", jn, col1)
+        kn = b.select(wrap, b.add(k0, kc), k0)
+        jn = b.select(wrap, col0, jn)
+        with b.if_then(b.icmp_signed("<", kn, K)):
+            span = b.mul(b.sdiv(u.smin(b, kc, b.sub(K, kn)), u.i64(bs)), u.i64(nbytes))
+            lpr = b.add(b.sdiv(span, u.i64(64)), u.i64(2))       # lines a row's span may touch
+            total = b.mul(u.smin(b, u.i64(NR), b.sub(N, jn)), lpr)
+            l0 = b.sdiv(b.mul(total, part), parts)
+            l1 = b.sdiv(b.mul(total, b.add(part, u.i64(1))), parts)
+            first = b.mul(b.sdiv(kn, u.i64(bs)), u.i64(nbytes))
+            with u.Loop(b, l0, l1, 1, "pf") as ln:
+                r, c = b.sdiv(ln, lpr), b.srem(ln, lpr)
+                start = b.add(b.mul(b.add(jn, r), row_bytes), first)
+                off = u.smin(b, b.mul(c, u.i64(64)), b.sub(span, u.i64(1)))
+                u.prefetch(b, w, b.add(start, off), "bool", locality=PF_LOCALITY)
+    return decode, ahead
 
 
 def _decode_panel(b, fmt, w, row_bytes, n0, N, k0, kcl, tmp, panel, Wp):
