@@ -41,8 +41,9 @@ from .ag.elementwise import add_scaled
 from .ag.engine import Leaf, no_grad, sole_view
 from .ag.matmul import add_scaled_dot_into, lora_linear
 from .ag.tensor import Tensor
-from .errors import (DTypeError, InvalidArgument, InvalidDropout, InvalidRank, MutableDataRequiresNoGrad,
-                     ReadOnlyStorage, ShapeMismatch, TagError, UseAfterRelease)
+from .errors import (DTypeError, InvalidArgument, InvalidDropout, InvalidRank,
+                     MutableDataRequiresNoGrad, ReadOnlyStorage, ShapeMismatch, TagError,
+                     UseAfterRelease)
 from .exec.quant import BLOCKS
 from .io.state_dict import NamedTensor, NamedTensorMut
 from .rng import kaiming_uniform_fill
@@ -230,11 +231,11 @@ class Adapter:
         return Tensor._result(*add_scaled(base, xa.dot(self.b, RANK_TAG), self.scale))
 
     def project(self, x, w, dropout_seed: int | None = None, compute: str = "f32"):
-        """x.dot(w, in_tag) + delta(x) — with compute="bf16" x.dot_bf16(w, in_tag) + delta(x)
-        — : apply() over the frozen projection w [out, in], with the rank product added in
-        the projection's own GEMM (ag.matmul.lora_linear) when w is a frozen f32 weight (f32
-        or bf16 with compute="bf16"), x's in tag is its last axis and no dropout runs — the
-        same bits as the dot and apply(reuse_base=True), without their pass over [.., out]
+        """x.dot(w, in_tag) + delta(x) (compute="bf16": x.dot_bf16(w, in_tag) + delta(x)):
+        apply() over the frozen projection w [out, in], with the rank product added in the
+        projection's own GEMM (ag.matmul.lora_linear) when w is a frozen f32 weight (or bf16
+        with compute="bf16"), x's in tag is its last axis and no dropout runs — the same
+        bits as the dot and apply(reuse_base=True), without their pass over [.., out]
         forward or over [.., in] backward; otherwise exactly those two."""
         op = "lora.Adapter.project"
         self._check_input(op, x)

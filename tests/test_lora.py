@@ -199,6 +199,33 @@ def test_apply_reuse_base_writes_the_sum_over_base(ctx, p):
         assert_bitwise(bv.numpy(), before)
 
 
+def _project_is_the_chain(ctx, ad, w, x_np, g_np, compute="f32", other=True):
+    """project (one lora_linear node) against the dot (dot_bf16 with compute="bf16") then
+    apply(reuse_base=True), on h = x/2 (with `other`, h has a second consumer, so its
+    gradient has two parts): the output and the gradients of x, A and B, bitwise."""
+    outs = []
+    for fused in (True, False):
+        x = ctx.variable(x_np, ("seq", "in"))
+        with ctx.exec_scope():
+            h = x.scale(0.5)
+            if fused:
+                y = ad.project(h, w, compute=compute)
+            else:
+                base = h.dot_bf16(w, "in") if compute == "bf16" else h.dot(w, "in")
+                y = ad.apply(h, base, reuse_base=True)
+            assert (y._node.name == "lora_linear") == fused
+            loss = (y * ctx.tensor(g_np, y.tags)).sum_all()
+            if other:
+                loss = loss.add((h * ctx.tensor(x_np, h.tags)).sum_all())
+            loss.backward()
+            outs.append([y.numpy(), x.grad().numpy(), ad.a.grad().numpy(),
+                         ad.b.grad().numpy()])
+        ad.a.zero_grad()
+        ad.b.zero_grad()
+    for got, want in zip(*outs):
+        assert_bitwise(got, want)
+
+
 @pytest.mark.parametrize("M,K,N", [(200, 600, 500), (300, 600, 500), (9, 16, 12)],
                          ids=["direct-b", "packed", "rowvec"])
 def test_project_is_the_dot_then_apply_bitwise(M, K, N):
@@ -211,23 +238,7 @@ def test_project_is_the_dot_then_apply_bitwise(M, K, N):
     for th in (1, 2):
         with fu.ExecContext(threads=th) as ctx:
             ad = make(ctx, in_dim=K, out_dim=N, rank=8, alpha=16.0)
-            w = ctx.tensor(w_np, ("out", "in"))
-            outs = []
-            for fused in (True, False):
-                x = ctx.variable(x_np, ("seq", "in"))
-                with ctx.exec_scope():
-                    h = x.scale(0.5)
-                    y = ad.project(h, w) if fused else ad.apply(h, h.dot(w, "in"),
-                                                                reuse_base=True)
-                    assert (y._node.name == "lora_linear") == fused
-                    other = (h * ctx.tensor(x_np, h.tags)).sum_all()   # h's gradient: 2 parts
-                    (y * ctx.tensor(g_np, y.tags)).sum_all().add(other).backward()
-                    outs.append([y.numpy(), x.grad().numpy(), ad.a.grad().numpy(),
-                                 ad.b.grad().numpy()])
-                ad.a.zero_grad()
-                ad.b.zero_grad()
-            for got, want in zip(*outs):
-                assert_bitwise(got, want)
+            _project_is_the_chain(ctx, ad, ctx.tensor(w_np, ("out", "in")), x_np, g_np)
     with fu.ExecContext(threads=1) as ctx:
         ad = make(ctx, in_dim=16, out_dim=12, rank=3, p=0.25)
         x = ctx.variable(randn(9, 16), ("seq", "in"))
@@ -268,24 +279,7 @@ def test_project_bf16_is_the_dot_bf16_then_apply_bitwise(M, K, N, other):
         with fu.ExecContext(threads=th) as ctx:
             ad = make(ctx, in_dim=K, out_dim=N, rank=8, alpha=16.0)
             w = ctx.tensor(w_np, ("out", "in"), dtype=wdt)
-            outs = []
-            for fused in (True, False):
-                x = ctx.variable(x_np, ("seq", "in"))
-                with ctx.exec_scope():
-                    h = x.scale(0.5)
-                    y = ad.project(h, w, compute="bf16") if fused else \
-                        ad.apply(h, h.dot_bf16(w, "in"), reuse_base=True)
-                    assert (y._node.name == "lora_linear") == fused
-                    loss = (y * ctx.tensor(g_np, y.tags)).sum_all()
-                    if other:
-                        loss = loss.add((h * ctx.tensor(x_np, h.tags)).sum_all())
-                    loss.backward()
-                    outs.append([y.numpy(), x.grad().numpy(), ad.a.grad().numpy(),
-                                 ad.b.grad().numpy()])
-                ad.a.zero_grad()
-                ad.b.zero_grad()
-            for got, want in zip(*outs):
-                assert_bitwise(got, want)
+            _project_is_the_chain(ctx, ad, w, x_np, g_np, "bf16", other)
     with fu.ExecContext(threads=1) as ctx:
         ad = make(ctx, in_dim=16, out_dim=12, rank=3, p=0.25)
         x = ctx.variable(randn(9, 16), ("seq", "in"))
