@@ -420,6 +420,20 @@ def panel_buffer(b, floats):
     return p
 
 
+def next_panel(b, k0, j0, kc, col0, col1, NR):
+    """(k0, j0) of the panel a tile reads after the one at (k0, j0): its next NR columns,
+    or its first ones in the next KC block (k0 >= K: none)."""
+    jn = b.add(j0, u.i64(NR))
+    wrap = b.icmp_signed(">=", jn, col1)
+    return b.select(wrap, b.add(k0, kc), k0), b.select(wrap, col0, jn)
+
+
+def share(b, total, part, parts):
+    """[lo, hi) of part `part` of `parts` equal shares of range(total)."""
+    return (b.sdiv(b.mul(total, part), parts),
+            b.sdiv(b.mul(total, b.add(part, u.i64(1))), parts))
+
+
 def _direct_b(dt, mode, b, args, N, K, NRc):
     """The B panel hook of gemm_tile_direct: panel[k - k0][j - j0] = b[k, j] (zeros past N)."""
     W = lanes()
@@ -448,14 +462,11 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
         return panel
 
     def ahead(bt, k0, j0, col0, col1, part, parts):
-        """The next panel's lines (the tile's next NR columns, or its first ones in the next
-        KC block), a 1/parts share per MR panel run: the rows of a KC block are far apart
-        and each is read only NR wide (kvec: KC long), which no hardware prefetcher follows,
-        and one burst per panel would overrun the core's outstanding-miss slots."""
-        jn = b.add(j0, u.i64(NRc))
-        wrap = b.icmp_signed(">=", jn, col1)
-        kn = b.select(wrap, b.add(k0, kc), k0)
-        jn = b.select(wrap, col0, jn)
+        """The next panel's lines (next_panel), a 1/parts share per MR panel run: the rows
+        of a KC block are far apart and each is read only NR wide (kvec: KC long), which no
+        hardware prefetcher follows, and one burst per panel would overrun the core's
+        outstanding-miss slots."""
+        kn, jn = next_panel(b, k0, j0, kc, col0, col1, NRc)
         with b.if_then(b.icmp_signed("<", kn, K)):
             kl = u.smin(b, kc, b.sub(K, kn))
             base = b.add(b.mul(bt, sbat), b.add(b.mul(kn, s_bk), b.mul(jn, s_bn)))
@@ -465,10 +476,7 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
             else:                   # kl rows of b, each NR wide
                 rows, stride = kl, s_bk
                 lpr = u.i64(-(-NRc // per_line))
-            total = b.mul(rows, lpr)
-            l0 = b.sdiv(b.mul(total, part), parts)
-            l1 = b.sdiv(b.mul(total, b.add(part, u.i64(1))), parts)
-            with u.Loop(b, l0, l1, 1, "pf") as ln:
+            with u.Loop(b, *share(b, b.mul(rows, lpr), part, parts), 1, "pf") as ln:
                 r, c = b.sdiv(ln, lpr), b.srem(ln, lpr)
                 u.prefetch(b, src, b.add(base, b.add(b.mul(r, stride),
                                                      b.mul(c, u.i64(per_line)))), dt,

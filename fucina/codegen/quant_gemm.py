@@ -48,7 +48,7 @@ from llvmlite import ir
 from . import irutil as u
 from . import quant_kgemv as kq
 from .emit import lane_tree
-from .gemm import KC, emit_tile, lanes, transpose
+from .gemm import KC, emit_tile, lanes, next_panel, share, transpose
 from .kernels import KernelKey, register
 from .quant import DECODERS as DECODERS
 from .quant import FORMATS
@@ -591,20 +591,15 @@ def _decoded_b(fmt, b, args, N, K, NR):
         return panel
 
     def ahead(bt, k0, j0, col0, col1, part, parts):
-        """A 1/parts share of the next panel's lines (the tile's next NR rows of w, or its
-        first ones in the next KC block), per MR panel run (as gemm_tile_direct's)."""
-        jn = b.add(j0, u.i64(NR))
-        wrap = b.icmp_signed(">=", jn, col1)
-        kn = b.select(wrap, b.add(k0, kc), k0)
-        jn = b.select(wrap, col0, jn)
+        """A 1/parts share of the next panel's lines (gemm.next_panel: NR rows of w), per
+        MR panel run (as gemm_tile_direct's)."""
+        kn, jn = next_panel(b, k0, j0, kc, col0, col1, NR)
         with b.if_then(b.icmp_signed("<", kn, K)):
             span = b.mul(b.sdiv(u.smin(b, kc, b.sub(K, kn)), u.i64(bs)), u.i64(nbytes))
             lpr = b.add(b.sdiv(span, u.i64(64)), u.i64(2))       # lines a row's span may touch
             total = b.mul(u.smin(b, u.i64(NR), b.sub(N, jn)), lpr)
-            l0 = b.sdiv(b.mul(total, part), parts)
-            l1 = b.sdiv(b.mul(total, b.add(part, u.i64(1))), parts)
             first = b.mul(b.sdiv(kn, u.i64(bs)), u.i64(nbytes))
-            with u.Loop(b, l0, l1, 1, "pf") as ln:
+            with u.Loop(b, *share(b, total, part, parts), 1, "pf") as ln:
                 r, c = b.sdiv(ln, lpr), b.srem(ln, lpr)
                 start = b.add(b.mul(b.add(jn, r), row_bytes), first)
                 off = u.smin(b, b.mul(c, u.i64(64)), b.sub(span, u.i64(1)))

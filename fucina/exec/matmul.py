@@ -461,6 +461,13 @@ def even_blocks(n_panels, max_per):
     return min(range(max(1, min(max_per, n_panels)), 0, -1), key=busier)
 
 
+def balanced_nc(panels, min_chunks, m_blocks=1):
+    """Panels per N block: at most NC_PANELS, fewer until the m_blocks x N-block tiles are
+    at least min_chunks where the panels allow, and split evenly for two threads
+    (even_blocks)."""
+    return even_blocks(panels, min(NC_PANELS, max(1, panels * m_blocks // min_chunks)))
+
+
 def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
     MR, NR = g.mr(), g.nr()
     Mp = -(-M // MR) * MR
@@ -493,7 +500,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
         plan.scratch = asz
         panels = Np // NR
         if MC * K <= DIRECT_MAX_A:      # A re-read from cache: N blocks enough to balance
-            NC = even_blocks(panels, min(NC_PANELS, max(1, panels // DIRECT_MIN_CHUNKS))) * NR
+            NC = balanced_nc(panels, DIRECT_MIN_CHUNKS) * NR
         else:                           # A from memory: two N blocks (one per thread of two)
             NC = blocks(panels, -(-panels // 2)) * NR
         b_ptr, b_bat = (B, 0), (bst[2] if nbatch > 1 else 0)

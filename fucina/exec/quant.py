@@ -303,7 +303,7 @@ def _mm_plan(x, w, interleaved: bool = False) -> "mm.Plan":
     # prompt of tens of rows: one M block). Each panel is decoded once per M block whatever
     # the blocking, and A's panels are re-read from cache.
     panels = -(-N // NR)
-    NC = mm.even_blocks(panels, max(1, min(mm.NC_PANELS, panels * nmb // TILE_MIN_CHUNKS))) * NR
+    NC = mm.balanced_nc(panels, TILE_MIN_CHUNKS, nmb) * NR
     nnb = -(-N // NC)
     # gemm_tile's argument block: one batch, partial sums of earlier k blocks kept in C itself
     # (no accumulate), M blocks fastest (consecutive chunks decode the same rows of w)
