@@ -369,6 +369,14 @@ def test_accumulate_and_rank_add_errors(ctx1):
     x, y = ctx1.from_numpy(np.ones((3, 2), np.float32)), ctx1.from_numpy(np.ones((3, 5), np.float32))
     with pytest.raises(fu.ShapeMismatch, match=r"rank_add: expected x \[3, r\] and y \[r, 5\]"):
         gemm_bf16(ctx1, a, b, rank_add=(x, y, 1.0))
+    # a k in slices checks the rank term before its passes: out is left as it was
+    K = 2 * mb.K_SLICE + 2
+    long_a = ctx1.from_numpy(np.ones((3, K), np.float32))
+    long_b = ctx1.from_numpy(np.ones((K, 5), np.float32), dtype="bf16")
+    out = ctx1.from_numpy(np.full((3, 5), 7.0, np.float32))
+    with pytest.raises(fu.ShapeMismatch, match=r"rank_add: expected x \[3, r\]"):
+        gemm_bf16(ctx1, long_a, long_b, out=out, accumulate=True, rank_add=(x, y, 1.0))
+    assert (out.to_numpy() == 7.0).all()
 
 
 def test_cold_compile_equals_warm_load(tmp_path, monkeypatch):

@@ -175,8 +175,11 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
 
 def _rank_args(plan, out, rank_add) -> tuple:
     """The tile kernels' rank_add block (emit_tile), checked; () when the plan has none."""
-    if not plan.ranked:
-        return ()
+    return rank_args(out, rank_add) if plan.ranked else ()
+
+
+def rank_args(out, rank_add) -> tuple:
+    """rank_add = (x, y, s) checked against out [M, N], as the kernels' argument block."""
     x, y, s = rank_add
     M, N = out.shape
     if x.shape[0] != M or y.shape[1] != N or x.shape[1] != y.shape[0] or x.shape[1] < 1:

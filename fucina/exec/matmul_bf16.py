@@ -84,6 +84,7 @@ def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None,
         out = ctx.empty(plan.shape)
     else:
         _check_out(a, b, out, plan.shape)
+    rargs = mm.rank_args(out, rank_add) if ranked else ()   # checked before any pass runs
     if len(plan.slices) > 1 and (accumulate or ranked):
         # k in slices continues its sums in C: the product, then its addition, then the rank
         # term, each its own pass (the same roundings)
@@ -101,8 +102,7 @@ def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None,
     if accumulate:
         p = ctx.empty((plan.partial,), "f32") if plan.partial else out
         extra = (p.addr,)
-    if ranked:
-        extra += mm._rank_args(plan, out, rank_add)
+    extra += rargs
     s = ctx.empty((plan.words,), "f32")
     sp = s.addr
     sa, sb = a.strides[1] * 4, b.strides[0] * b.lay.itemsize
