@@ -9,8 +9,10 @@ qwen2 and gemma3 files of `make models` when assembled (seq 256, 3 timed steps).
 loss on one sequence of `seq` tokens (mean next-token CE), backward, clip to 1.0, AdamW
 (lr 1e-3, no decay), zero_grad — LoRA rank 8, alpha 16, dropout 0, on q,v or on all seven
 projections. Both sides train on the same tokens; the step times are interleaved (Fucina step,
-transformers step, ...), medians after a warm-up step. Peak RSS: each side alone in a fresh
-process running the same steps (VmHWM). The GFLOP/s note counts the step's matrix work
+transformers step, ...), medians after four warm-up steps (ours: two eager, the third captured,
+the fourth checked against an eager run; from then on each step is a replay,
+llm.decoder.replay — Trainer.loss_backward, as `fucina finetune` runs). Peak RSS: each side
+alone in a fresh process running five steps (VmHWM). The GFLOP/s note counts the step's matrix work
 (forward 2·N·tokens with N the frozen matrices incl. the tied head, the backward dx-only through
 frozen weights the same again, plus the adapters and causal attention) against our own 1024³
 f32 GEMM rate in the same process.
@@ -75,10 +77,7 @@ def _fucina(path, targets, threads, compute="f32", masked=0):
     tr.register_all_params(opt)
 
     def step(tokens):
-        with ctx.exec_scope():
-            loss = tr.loss(tokens[:-1], _labels(tokens, masked, IGNORE_INDEX))
-            loss.backward()
-            value = loss.item()
+        value = tr.loss_backward(tokens[:-1], _labels(tokens, masked, IGNORE_INDEX))
         opt.clip_grad_norm(1.0)
         opt.step()
         opt.zero_grad()
@@ -113,6 +112,8 @@ def _hf(path, targets, masked=0):
 
 
 RANK = 8   # the LoRA rank of every row
+WARMUP = 4  # untimed steps: ours are then eager (two), captured, checked against eager; the
+            # timed ones are the steady state of a run on samples of one length (replays)
 
 
 def _flops(cfg, targets, seq, head_rows=None) -> float:
@@ -144,7 +145,7 @@ if side.startswith("fucina"):
 else:
     import torch; torch.set_num_threads(threads)
     step = b._hf(path, targets)
-for _ in range(2):
+for _ in range(b.WARMUP + 1):   # the steady state: a replayed step
     step(tokens)
 # VmHWM belongs to this image (ru_maxrss would include the parent's size at fork)
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
@@ -199,7 +200,8 @@ def _rows(path, label, threads, quick, seqs, rss, peak, sft=False) -> list[dict]
             masked = seq // 2 if sft else 0
             cfg, fstep = _fucina(path, targets, threads, masked=masked)
             rng = np.random.default_rng(seq)
-            batches = [rng.integers(0, cfg.vocab, seq + 1) for _ in range(4 if quick else 7)]
+            batches = [rng.integers(0, cfg.vocab, seq + 1)
+                       for _ in range(WARMUP + (3 if quick else 6))]
             hstep = None
             if torch is not None:
                 try:
@@ -207,14 +209,15 @@ def _rows(path, label, threads, quick, seqs, rss, peak, sft=False) -> list[dict]
                         hstep = _hf(path, targets, masked)
                 except ImportError:
                     hstep = None
-            fl, hl, fu_s, hf_s = c.alternating_steps(batches, fstep, hstep, threads)
+            fl, hl, fu_s, hf_s = c.alternating_steps(batches, fstep, hstep, threads, WARMUP)
             work = _flops(cfg, targets, seq, seq - masked)
             rate = work / fu_s
             rss_f = None if quick or not rss else _rss("fucina", path, targets, seq, threads)
             rss_h = None if quick or not rss or hstep is None else _rss("hf", path, targets, seq,
                                                                         threads)
             share = rate / peak
-            note = (f"{label}; {len(batches) - 1} timed steps after a warm-up, medians; "
+            note = (f"{label}; {len(batches) - WARMUP} timed steps after {WARMUP} warm-up "
+                    f"steps, medians; "
                     + (f"positions 0-{masked - 1} a masked prompt (ours: the head on the "
                        f"{seq - masked} supervised rows, theirs on all {seq}); " if sft else "")
                     + f"{rate / 1e9:.0f} "
@@ -250,14 +253,16 @@ def bf16_rows(path, label, threads, quick, seqs) -> list[dict]:
             cfg, f32_step = _fucina(path, targets, threads)
             _, bf16_step = _fucina(path, targets, threads, "bf16")
             rng = np.random.default_rng(seq)
-            batches = [rng.integers(0, cfg.vocab, seq + 1) for _ in range(4 if quick else 7)]
-            bl, fl, b_s, f_s = c.alternating_steps(batches, bf16_step, f32_step, threads)
+            batches = [rng.integers(0, cfg.vocab, seq + 1)
+                       for _ in range(WARMUP + (3 if quick else 6))]
+            bl, fl, b_s, f_s = c.alternating_steps(batches, bf16_step, f32_step, threads, WARMUP)
             dev = max(abs(x - y) for x, y in zip(bl, fl))
             rss_b = None if quick else _rss("fucina-bf16", path, targets, seq, threads)
             rss_f = None if quick else _rss("fucina", path, targets, seq, threads)
             note = (f"{label.split(' (')[0]}, frozen weights bf16; the torch column is our own "
-                    f"f32 step (widened weights) in the same process; {len(batches) - 1} timed "
-                    f"steps after a warm-up, medians; {_flops(cfg, targets, seq) / b_s / 1e9:.0f} "
+                    f"f32 step (widened weights) in the same process; {len(batches) - WARMUP} timed "
+                    f"steps after {WARMUP} warm-up steps, medians; "
+                    f"{_flops(cfg, targets, seq) / b_s / 1e9:.0f} "
                     f"GFLOP/s of matrix work; losses {bl[0]:.4f} (bf16) / {fl[0]:.4f} (f32), "
                     f"max |Δ| {dev:.4f} over the {len(batches)} steps"
                     + (f"; peak RSS {rss_b:.0f} MB (bf16) vs {rss_f:.0f} MB (f32)"

@@ -559,10 +559,10 @@ def gemm_seconds(ctx, fn) -> float:
                if addr in keys and keys[addr].family in GEMM_FAMILIES)
 
 
-def alternating_steps(batches, ours, theirs, threads: int) -> tuple:
+def alternating_steps(batches, ours, theirs, threads: int, warmup: int = 1) -> tuple:
     """Whole training steps timed side by side: for each batch our step, then theirs (under
-    `threads` torch threads; theirs may be None), the first batch a warm-up. Returns (our
-    losses, their losses, our median seconds, their median seconds or None)."""
+    `threads` torch threads; theirs may be None), the first `warmup` batches untimed. Returns
+    (our losses, their losses, our median seconds, their median seconds or None)."""
     ol, tl, ot, tt = [], [], [], []
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
@@ -572,7 +572,7 @@ def alternating_steps(batches, ours, theirs, threads: int) -> tuple:
             with torch_threads(threads):
                 tl.append(theirs(batch))
         t2 = time.perf_counter()
-        if i:
+        if i >= warmup:
             ot.append(t1 - t0)
             tt.append(t2 - t1)
     return (ol, tl, statistics.median(ot),

@@ -161,3 +161,68 @@ def test_run_plan_refuses_malformed_plans():
     out[:] = -1
     _rt.run_plan(None, np.array([fill, 3, 0, 1, 0, 0, out.ctypes.data, 1, 0, 0, 0, 1], np.int64), 2)
     assert out.tolist() == [0, 1, -1, -1]
+
+
+# ---- fixed replays (plan.capture / plan.Fixed) ----------------------------------------------
+
+def fixed_region(ctx, w, xin, idx):
+    """Uploads (x, the row indices), a gather, temporaries freed on the way (their memory
+    reused inside the region) and a result the caller keeps."""
+    with ctx.graph_scope():     # each intermediate freed once nothing holds it
+        x = ctx.tensor(xin, ("n", "d"))
+        rows = w.index_select("n", ctx.tensor(idx, ("n",), dtype="i64"), "n")   # + a zeroed flag
+        t = (x * 2.0).tanh()
+        u = (t + rows).sigmoid()
+        del t
+        y = (u * x).exp().sum("n")
+        return y._raw
+
+
+def test_a_captured_region_replays_fed_with_new_uploads(setup):
+    ctx, _, rng = setup
+    w = ctx.tensor(rng.standard_normal((40, D)).astype(np.float32), ("n", "d"))
+    x0 = rng.standard_normal((6, D)).astype(np.float32)
+    i0 = np.array([3, 1, 4, 1, 5, 9], dtype=np.int64)
+    with fu.no_grad(), ctx.exec_scope():
+        with plan.capture(ctx) as cap:
+            y = fixed_region(ctx, w, x0, i0)
+    assert cap.pool.stats()["reuses"] > 0        # memory reused inside the region
+    fixed = plan.Fixed(cap)
+    ix, ii = fixed.upload_index(x0), fixed.upload_index(i0)
+    assert None not in (ix, ii) and ix != ii
+    for s in range(3):
+        x1 = rng.standard_normal((6, D)).astype(np.float32)
+        i1 = rng.integers(0, 40, 6)
+        fixed.feed(ix, x1)
+        fixed.feed(ii, i1)
+        for buf in cap.zeroed:
+            np.frombuffer(buf, np.uint8)[:] = 7      # a run zeroes them again
+        fixed.run(ctx)
+        assert all(not np.frombuffer(b, np.uint8).any() for b in cap.zeroed)
+        with fu.no_grad(), ctx.exec_scope():
+            want = fixed_region(ctx, w, x1, i1).to_numpy()
+        assert_bitwise(y.to_numpy(), want)
+
+
+def test_capture_restores_the_context_and_checks_feeds(setup):
+    ctx, _, _ = setup
+    pool, launch = ctx.pool, ctx.launch
+    with pytest.raises(RuntimeError, match="inside"):
+        with plan.capture(ctx):
+            ctx.tensor(np.ones(4, np.float32), ("n",))
+            raise RuntimeError("inside")
+    assert ctx.pool is pool and "from_numpy" not in ctx.__dict__
+    assert ctx.launch == launch or "launch" not in ctx.__dict__
+    with fu.no_grad(), ctx.exec_scope():
+        with plan.capture(ctx) as cap:
+            a = ctx.tensor(np.ones(4, np.float32), ("n",))
+            b = ctx.tensor(np.ones(4, np.float32), ("n",))
+            _ = (a + b)._raw
+    fixed = plan.Fixed(cap)
+    assert fixed.upload_index(np.ones(4, np.float32)) is None     # two alike: ambiguous
+    assert fixed.upload_index(np.zeros(4, np.float32)) is None    # none
+    with pytest.raises(fu.errors.InvalidArgument, match="expected 16 bytes for upload 0, got 12"):
+        fixed.feed(0, np.ones(3, np.float32))
+    ctx.close()
+    with pytest.raises(fu.errors.ContextClosed):
+        fixed.run(ctx)

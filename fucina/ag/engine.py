@@ -108,6 +108,11 @@ def add_into(ctx, acc, g):
     return ew.run(ctx, "add", "f32", acc.shape, (acc, g))
 
 
+def leaves(root) -> list:
+    """The variables (Leaf nodes) a backward from `root` reaches, in a fixed order."""
+    return [n for n in _collect(root) if isinstance(n, Leaf)]
+
+
 def backward(root, seed) -> None:
     """Run every VJP reachable from `root` (a Node) with gradient `seed` (a RawTensor)."""
     order = _collect(root)

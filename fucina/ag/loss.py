@@ -56,11 +56,17 @@ def host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=No
     return arr, ignored
 
 
+def encode_labels(arr, ignored, K: int) -> np.ndarray:
+    """host_labels' result as the kernels read it: i64, -1 for an ignored row (the upload a
+    replayed training step feeds anew, fucina.llm.decoder.replay)."""
+    safe = arr.astype(np.int64) if arr.dtype.kind == "i" else np.minimum(arr, K).astype(np.int64)
+    return np.where(ignored, -1, safe).astype(np.int64)
+
+
 def _labels(ctx, op, labels, R: int, K: int, ignore_index, positions):
     """Labels as an i64 raw with -1 for ignored rows, and the count of rows that are not ignored."""
     arr, ignored = host_labels(op, labels, R, K, ignore_index, positions)
-    safe = arr.astype(np.int64) if arr.dtype.kind == "i" else np.minimum(arr, K).astype(np.int64)
-    enc = np.where(ignored, -1, safe).astype(np.int64)
+    enc = encode_labels(arr, ignored, K)
     return ctx.from_numpy(enc, (R,), "i64", "cross_entropy"), int(R - ignored.sum())
 
 

@@ -405,11 +405,8 @@ class Session:
         tokens = sum(len(s.inputs) for s in samples)
         if self.cluster is not None:
             return self._accumulate_on_ray(samples), tokens
-        if len(samples) == 1:
-            with ctx.exec_scope():
-                loss = trainer.loss(samples[0].inputs, samples[0].labels)
-                loss.backward()
-                return loss.item(), tokens
+        if len(samples) == 1:   # a length seen again runs as a replay (decoder/replay.py)
+            return trainer.loss_backward(samples[0].inputs, samples[0].labels), tokens
         total_valid = sum(1 for s in samples for y in s.labels if y != IGNORE_INDEX)
         if total_valid == 0:
             raise NoSupervisedTokens(f"finetune: the accumulation window {window} supervises no "

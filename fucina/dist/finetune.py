@@ -54,17 +54,13 @@ class _GradActor:
         if version != self.version:
             return None            # restarted since the broadcast: the driver reloads us
         tr = self.trainer
-        ctx = tr.model.ctx
         tr.step_counter = step
         for t in self.leaves:
             t.zero_grad()
-        with ctx.exec_scope():
-            if loss_scale is None:
-                loss = tr.loss(inputs, labels)
-            else:
-                loss = tr.loss_ext(inputs, labels, reduction="sum", loss_scale=loss_scale)
-            loss.backward()
-            value = loss.item()
+        if loss_scale is None:
+            value = tr.loss_backward(inputs, labels)
+        else:
+            value = tr.loss_backward(inputs, labels, reduction="sum", loss_scale=loss_scale)
         out = [t.grad_view().numpy() for t in self.leaves]
         for t in self.leaves:
             t.zero_grad()

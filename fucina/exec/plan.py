@@ -22,6 +22,13 @@ checks the replay against an eager result once before trusting it (fucina/llm/ge
 
 Replays run each launch exactly as `launch` would (same chunks, same inline-or-team rule), so
 they give the eager step's bits.
+
+A region whose launches do not move at all (a training step on samples of one length: the
+data changes, not the shapes) is captured once instead (`capture`, `Fixed`): it runs from a
+pool of its own that reuses memory as the context's would, so the replay's working set is the
+step's peak, not the sum of everything it allocated; what the host writes (uploads, zeroed
+flags, pointer tables) stays where it was put, and `Fixed.feed` swaps an upload's bytes
+(the next sample's tokens).
 """
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from ..runtime import _rt
 
-__all__ = ["Recording", "record", "Plan"]
+__all__ = ["Recording", "record", "Plan", "Capture", "capture", "Fixed"]
 
 _MASK = (1 << 64) - 1
 
@@ -139,3 +147,122 @@ class Plan:
         ctx.check_open("Plan.run")
         team = ctx.team() if ctx.threads > 1 else None
         _rt.run_plan(team, self.array, int(x))
+
+
+# ---- fixed replays: a region whose launches do not change between runs -----------------------
+
+FIXED_HOLD_BYTES = 1 << 16   # byte-arm buffers up to this size are held by a capture (below)
+
+
+class Capture:
+    """One run of a region, kept for replay with its memory (see `capture`).
+
+    launches: (addr, n_chunks, cost, args) in order. uploads: (buffer, host bytes) of every
+    from_numpy in the region, in order. held: buffers the region's memory reuse must never hand
+    out again (uploads, zero-filled ones, small byte buffers). zeroed: the zero-filled ones.
+    pool: the region's own pool; its memory (held, outstanding and cached) is every address
+    the launches use besides memory that outlives the region anyway (weights, parameters)."""
+
+    __slots__ = ("launches", "uploads", "held", "zeroed", "pool")
+
+    def __init__(self, pool):
+        self.launches: list = []
+        self.uploads: list = []
+        self.held: list = []
+        self.zeroed: list = []
+        self.pool = pool
+
+
+class _CapturePool:
+    """ctx.pool during a capture: the capture's own pool, reusing memory inside the region as
+    the context's pool would, except for buffers the host may write besides the kernels: a
+    zero-filled buffer (a flag, an accumulator) and a small byte buffer (an index, a pointer
+    table) are held for the capture's lifetime, so what the host put there is still there when
+    a replay's launches read it (zero-filled ones are zeroed again before each replay)."""
+
+    def __init__(self, cap: Capture):
+        self._cap = cap
+
+    def alloc(self, nbytes, f32_arm, zero=False):
+        buf = self._cap.pool.alloc(nbytes, f32_arm, zero)
+        if zero:
+            self._cap.held.append(buf)
+            self._cap.zeroed.append(buf)
+        elif not f32_arm and nbytes <= FIXED_HOLD_BYTES:
+            self._cap.held.append(buf)
+        return buf
+
+    def __getattr__(self, name):
+        return getattr(self._cap.pool, name)
+
+
+@contextmanager
+def capture(ctx):
+    """Run the body's ops as usual, from a pool of their own, noting every launch and every
+    upload: `Fixed(cap)` then replays the region in one call. The pool caches what the region
+    frees (no limit), so its memory is the region's working set and stays valid for replays;
+    nothing but the region (and `Fixed.run`) allocates from it."""
+    cap = Capture(_rt.Pool(max_cached_bytes=1 << 62))
+    run, upload = ctx.launch, ctx.from_numpy
+
+    def launch(addr, n_chunks, cost, *args):
+        cap.launches.append((addr, n_chunks, cost, args))
+        run(addr, n_chunks, cost, *args)
+
+    def from_numpy(*args, **kw):
+        t = upload(*args, **kw)
+        cap.held.append(t.buf)
+        cap.uploads.append((t.buf, np.frombuffer(t.buf, np.uint8, t.lay.nbytes).copy()))
+        return t
+
+    pool = ctx.pool
+    ctx.launch, ctx.from_numpy, ctx.pool = launch, from_numpy, _CapturePool(cap)
+    try:
+        yield cap
+    finally:
+        del ctx.launch, ctx.from_numpy
+        ctx.pool = pool
+
+
+class Fixed:
+    """A captured region replayed as it ran: the same launches with the same arguments, the
+    uploads written again (`feed` replaces one's bytes), zero-filled buffers zeroed again.
+    Valid while no launch value depends on data the region read back (the caller checks one
+    replay against an eager run) and the memory outside the capture's pool that the launches
+    use is alive and unmoved (weights and parameters written in place)."""
+
+    def __init__(self, cap: Capture):
+        words = []
+        for f, n, c, a in cap.launches:
+            words += [f, len(a), n, 0, c, 0, *a, *(0 for _ in a)]
+        self.array = np.array([w & _MASK for w in words], dtype=np.uint64).view(np.int64)
+        self.cap = cap
+        self.bytes = [data for _, data in cap.uploads]
+
+    def upload_index(self, data: np.ndarray) -> int | None:
+        """The one upload whose bytes are those of `data`, or None (none, or several)."""
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        hits = [i for i, (_, d) in enumerate(self.cap.uploads)
+                if d.size == raw.size and np.array_equal(d, raw)]
+        return hits[0] if len(hits) == 1 else None
+
+    def feed(self, index: int, data: np.ndarray) -> None:
+        """Upload `index` writes these bytes (the same size) from the next run on."""
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if raw.size != self.bytes[index].size:
+            raise InvalidArgument(f"plan.Fixed.feed: expected {self.bytes[index].size} bytes for "
+                                  f"upload {index}, got {raw.size}")
+        self.bytes[index] = raw
+
+    def run(self, ctx) -> None:
+        ctx.check_open("plan.Fixed.run")
+        for (buf, _), data in zip(self.cap.uploads, self.bytes):
+            np.frombuffer(buf, np.uint8, data.size)[:] = data
+        for buf in self.cap.zeroed:
+            np.frombuffer(buf, np.uint8)[:] = 0
+        team = ctx.team() if ctx.threads > 1 else None
+        _rt.run_plan(team, self.array, 0)
+
+    def release(self) -> None:
+        """Give the capture's cached memory back (buffers still referenced stay valid)."""
+        self.cap.pool.trim()

@@ -43,6 +43,7 @@ from ...lora import Adapter, LoraConfig
 from ...rng import MASK64, at
 from ..data import IGNORE_INDEX
 from .model import LINEARS, Model, check_tokens
+from .replay import Replays
 
 __all__ = ["Trainer", "Targets", "TARGETS", "IGNORE_INDEX", "DROPOUT_SALT"]
 
@@ -188,6 +189,20 @@ class Trainer:
                     layer[name] = Adapter(tin, tout).init(model.ctx, dims[tin], dims[tout],
                                                           lora_config, at(self.seed, l * 7 + t))
             self.adapters.append(layer)
+        self._replays = Replays(self)
+
+    @property
+    def replay(self) -> bool:
+        """loss_backward replays steps of a repeating shape (decoder/replay.py); on by default."""
+        return self._replays.enabled
+
+    @replay.setter
+    def replay(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"decoder.Trainer.replay: expected a bool, got {on!r}")
+        self._replays.enabled = on
+        if not on:
+            self._replays.drop()
 
     def __repr__(self):
         return (f"decoder.Trainer({self.model!r}, targets={self.targets.names()}, "
@@ -285,6 +300,15 @@ class Trainer:
                 ce = ce.scale(loss_scale)
         self.step_counter = step + 1   # counted once the call succeeded
         return ce._to_scope()
+
+    def loss_backward(self, tokens, labels, reduction: str = "mean",
+                      loss_scale: float = 1.0) -> float:
+        """loss_ext(tokens, labels, reduction, loss_scale), then its backward, in one call:
+        the loss value; the adapters' gradients accumulate as backward's do. No scope needed.
+        Steps of a shape that repeats run as a replay of a captured one (decoder/replay.py:
+        the Python of the graph and the dispatch skipped), bitwise the eager step's loss and
+        gradients; `replay = False` keeps every step eager."""
+        return self._replays.loss_backward(tokens, labels, reduction, loss_scale)
 
     def eval_last_logits(self, tokens) -> Tensor:
         """The logits of the last position, [1, vocab] ("seq", "vocab"), caller-owned: no
