@@ -35,8 +35,9 @@ A step: LoRA rank 8, alpha 16 on q and v of every layer, AdamW (lr 1e-3, no deca
 OptimizerSet, clip 1.0, no dropout; a constant lr, or with `--warmup N` a linear warmup over N
 steps then a cosine decay to `--min-lr-factor`·lr at `--steps` (fu.optim.LrSchedule; the
 factor of macro step k is a function of k alone, so a resumed run continues it exactly — pass
-the same flags, they are not recorded). With `--accum-steps 1`: one exec scope with
-`trainer.loss` → backward → clip → step → zero_grad. With N > 1 (SPEC T-13): the N sample
+the same flags, they are not recorded). With `--accum-steps 1`: `trainer.loss_backward`
+(loss and backward; a sample shape seen three times in a row is replayed from then on,
+llm/decoder/replay.py) → clip → step → zero_grad. With N > 1 (SPEC T-13): the N sample
 indices of the window are drawn first, `total_valid` = their supervised labels,
 each micro-batch runs in its own scope as `loss_ext(reduction="sum", loss_scale=
 1/total_valid)` + backward, then ONE clip → step → zero_grad; the reported loss is the sum of

@@ -201,7 +201,8 @@ def capture(ctx):
     """Run the body's ops as usual, from a pool of their own, noting every launch and every
     upload: `Fixed(cap)` then replays the region in one call. The pool caches what the region
     frees (no limit), so its memory is the region's working set and stays valid for replays;
-    nothing but the region (and `Fixed.run`) allocates from it."""
+    nothing but the region allocates from it (a caller may run the region eagerly in it again
+    when that leaves no buffer behind, as llm.decoder.replay's check does)."""
     cap = Capture(_rt.Pool(max_cached_bytes=1 << 62))
     run, upload = ctx.launch, ctx.from_numpy
 
@@ -248,7 +249,7 @@ class Fixed:
 
     def feed(self, index: int, data: np.ndarray) -> None:
         """Upload `index` writes these bytes (the same size) from the next run on."""
-        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1).copy()
         if raw.size != self.bytes[index].size:
             raise InvalidArgument(f"plan.Fixed.feed: expected {self.bytes[index].size} bytes for "
                                   f"upload {index}, got {raw.size}")

@@ -71,8 +71,10 @@ class Replays:
     # ---- the step ----
     def loss_backward(self, tokens, labels, reduction: str, loss_scale: float) -> float:
         tr = self.trainer
+        if not self.enabled:
+            return self._eager(tokens, labels, reduction, loss_scale)
         ids, enc, key = self._inputs(tokens, labels, reduction, loss_scale)
-        if key is None or not self.enabled:     # (bad labels raise here, the replay kept)
+        if key is None:                          # (bad labels raise here, the replay kept)
             self.last_key = None
             return self._eager(tokens, labels, reduction, loss_scale)
         st = self.step
