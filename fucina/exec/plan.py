@@ -101,6 +101,17 @@ def record(ctx):
         ctx.pool = pool
 
 
+def _words(f, fitted) -> list:
+    """One launch of run_plan's array: kernel, argument count, then (a, b) of the chunk count,
+    of the cost, and of every argument as value = a + b·x (fitted: those pairs in that order)."""
+    (na, nb), (ca, cb), args = fitted[0], fitted[1], fitted[2:]
+    return [f, len(args), na, nb, ca, cb, *(a for a, _ in args), *(b for _, b in args)]
+
+
+def _array(words) -> np.ndarray:
+    return np.array([w & _MASK for w in words], dtype=np.uint64).view(np.int64)
+
+
 class Plan:
     """A region's launches as affine functions of a position x (see the module docstring).
     `buffers`: the first recording's, which every replay reuses."""
@@ -137,10 +148,8 @@ class Plan:
                 if v3 - v2 != slope:
                     return None
                 fitted.append(((v1 - slope * x0) & _MASK, slope & _MASK))
-            (na, nb), (ca, cb), args = fitted[0], fitted[1], fitted[2:]
-            words += [f1, len(args), na, nb, ca, cb, *(a for a, _ in args), *(b for _, b in args)]
-        array = np.array([w & _MASK for w in words], dtype=np.uint64).view(np.int64)
-        return cls(array, list(r1.buffers), len(r1.launches))
+            words += _words(f1, fitted)
+        return cls(_array(words), list(r1.buffers), len(r1.launches))
 
     def run(self, ctx, x: int) -> None:
         """Every launch of the region at position x, in one call."""
@@ -234,9 +243,9 @@ class Fixed:
 
     def __init__(self, cap: Capture):
         words = []
-        for f, n, c, a in cap.launches:
-            words += [f, len(a), n, 0, c, 0, *a, *(0 for _ in a)]
-        self.array = np.array([w & _MASK for w in words], dtype=np.uint64).view(np.int64)
+        for f, n, c, a in cap.launches:     # every value constant: slope 0
+            words += _words(f, [(v, 0) for v in (n, c, *a)])
+        self.array = _array(words)
         self.cap = cap
         self.bytes = [data for _, data in cap.uploads]
 
