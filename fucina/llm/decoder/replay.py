@@ -29,10 +29,8 @@ import sys
 import numpy as np
 
 from ...ag import engine
-from ...ag.loss import encode_labels, host_labels
+from ...ag.loss import encode_labels
 from ...exec import plan
-from ..data import IGNORE_INDEX
-from .model import check_tokens
 
 OP = "decoder.Trainer.loss_backward"
 CAPTURE_AFTER = 2   # a key is captured on its third step in a row: samples whose lengths only
@@ -71,12 +69,12 @@ class Replays:
     # ---- the step ----
     def loss_backward(self, tokens, labels, reduction: str, loss_scale: float) -> float:
         tr = self.trainer
-        if not self.enabled:
-            return self._eager(tokens, labels, reduction, loss_scale)
-        ids, enc, key = self._inputs(tokens, labels, reduction, loss_scale)
-        if key is None:                          # (bad labels raise here, the replay kept)
+        s = tr.sample(OP, tokens, labels, reduction)     # (bad input raises here, the replay kept)
+        key = self._key(s, reduction, loss_scale) if self.enabled else None
+        if key is None:
             self.last_key = None
-            return self._eager(tokens, labels, reduction, loss_scale)
+            return self._eager(s, reduction, loss_scale)
+        enc = encode_labels(s.labels, s.ignored, tr.model.config.vocab)
         st = self.step
         if st is not None and st.key != key:
             self.drop()
@@ -85,59 +83,45 @@ class Replays:
             self.repeats = self.repeats + 1 if key == self.last_key else 0
             self.last_key = key
             if self.repeats < CAPTURE_AFTER or key == self.rejected or _accumulating(tr):
-                return self._eager(tokens, labels, reduction, loss_scale)
-            return self._capture(key, ids, enc, tokens, labels, reduction, loss_scale)
+                return self._eager(s, reduction, loss_scale)
+            return self._capture(key, s, enc, reduction, loss_scale)
         if not self._free(st):
-            return self._eager(tokens, labels, reduction, loss_scale)
+            return self._eager(s, reduction, loss_scale)
         if not st.trusted:
-            return self._check(st, ids, enc, tokens, labels, reduction, loss_scale)
-        value = self._replay(st, ids, enc)
+            return self._check(st, s, enc, reduction, loss_scale)
+        value = self._replay(st, s.ids, enc)
         tr.step_counter += 1
         return value
 
-    def _inputs(self, tokens, labels, reduction, loss_scale):
-        """(token ids, encoded labels the loss uploads, the key; None when not replayable)."""
+    def _key(self, s, reduction, loss_scale):
+        """What a replay of the sample's step must match; None when not replayable."""
         tr = self.trainer
-        vocab = tr.model.config.vocab
-        ids = check_tokens(OP, tokens, vocab)
-        n_labels = labels.numel if hasattr(labels, "_live") else len(labels)
-        if n_labels != len(ids):         # loss_ext raises its own error
-            return ids, None, None
-        arr, ignored = host_labels("cross_entropy", labels, len(ids), vocab, IGNORE_INDEX, ("seq",))
-        mask = ignored.tobytes()         # the head's rows and the mean's count follow from it
-        if reduction != "none":
-            from .train import head_rows
-            rows = head_rows(ignored)
-            if rows is not None:
-                arr, ignored = arr[rows], ignored[rows]
-        enc = encode_labels(arr, ignored, vocab)
         if (tr.lora_config.dropout_p != 0 or not engine.is_grad_enabled()
                 or isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real)):
-            return ids, enc, None
-        key = (len(ids), mask, reduction, struct.pack("<d", float(loss_scale)),
-               tr.checkpoint_layers, _addresses(tr))
-        return ids, enc, key
+            return None
+        return (len(s.ids), s.mask, reduction, struct.pack("<d", float(loss_scale)),
+                tr.checkpoint_layers, _addresses(tr))
 
-    def _eager(self, tokens, labels, reduction, loss_scale) -> float:
+    def _eager(self, s, reduction, loss_scale) -> float:
         ctx = self.trainer.model.ctx
         with ctx.exec_scope():
-            loss = self.trainer.loss_ext(tokens, labels, reduction, loss_scale)
+            loss = self.trainer.sample_loss(s, reduction, loss_scale)
             loss.backward()
             return loss.item()
 
-    def _capture(self, key, ids, enc, tokens, labels, reduction, loss_scale) -> float:
+    def _capture(self, key, s, enc, reduction, loss_scale) -> float:
         ctx = self.trainer.model.ctx
         ctx.pool.trim()          # the capture's pool holds the step's memory from now on
         with plan.capture(ctx) as cap:
             with ctx.exec_scope():
-                loss = self.trainer.loss_ext(tokens, labels, reduction, loss_scale)
+                loss = self.trainer.sample_loss(s, reduction, loss_scale)
                 leaves = engine.leaves(loss._node)
                 fresh = all(n.grad is None for n in leaves)
                 loss.backward()
                 value = loss.item()
                 loss_raw = loss._live(OP)
         fixed = plan.Fixed(cap)
-        feeds = (fixed.upload_index(ids), fixed.upload_index(enc))
+        feeds = (fixed.upload_index(s.ids), fixed.upload_index(enc))
         if fresh and None not in feeds and feeds[0] != feeds[1]:
             st = self.step = _Step(key, fixed, leaves, [n.grad for n in leaves], loss_raw, feeds)
             st.refs = _refs(st)
@@ -146,7 +130,7 @@ class Replays:
             self.rejected = key
         return value
 
-    def _check(self, st, ids, enc, tokens, labels, reduction, loss_scale) -> float:
+    def _check(self, st, s, enc, reduction, loss_scale) -> float:
         """The step run eagerly in the capture's memory, then replayed: kept when the two agree
         bit for bit and the eager run left no buffer behind in that memory."""
         tr = self.trainer
@@ -155,7 +139,7 @@ class Replays:
         before = pool.stats()
         main, ctx.pool = ctx.pool, pool
         try:
-            value = self._eager(tokens, labels, reduction, loss_scale)
+            value = self._eager(s, reduction, loss_scale)
             want = [None if n.grad is None else n.grad.to_numpy() for n in st.leaves]
         finally:
             ctx.pool = main
@@ -165,7 +149,7 @@ class Replays:
         kept = (after["outstanding"] == before["outstanding"]
                 and after["cached_bytes"] >= before["cached_bytes"])
         if kept:
-            got = self._replay(st, ids, enc)
+            got = self._replay(st, s.ids, enc)
             kept = (struct.pack("<d", got) == struct.pack("<d", value)
                     and all((w is None) == (n.grad is None)
                             and (w is None or np.array_equal(w.view(np.uint32),
@@ -180,7 +164,7 @@ class Replays:
         self.drop()
         self.rejected = st.key
         tr.step_counter -= 1     # the eager run counted; this one counts again
-        return self._eager(tokens, labels, reduction, loss_scale)
+        return self._eager(s, reduction, loss_scale)
 
     def _free(self, st) -> bool:
         """Every gradient of the step is absent and no one holds its replay buffer but the

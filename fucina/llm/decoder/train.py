@@ -77,6 +77,17 @@ def head_rows(ignored: np.ndarray):
 
 
 @dataclass(frozen=True)
+class Sample:
+    """One sample as the loss reads it (Trainer.sample): the eager loss and a replayed step
+    (decoder/replay.py, which keys and feeds on it) prepare it once, the same way."""
+    ids: np.ndarray            # the token ids, checked against the vocabulary
+    labels: np.ndarray         # the labels of the head's rows (of every position when rows is None)
+    ignored: np.ndarray        # which of those labels are IGNORE_INDEX
+    mask: bytes                # which positions of the whole sample are ignored
+    rows: np.ndarray | None    # head_rows: the positions the head runs on, None for all
+
+
+@dataclass(frozen=True)
 class Targets:
     """Which projections of every layer get an adapter (the defaults: q and v)."""
 
@@ -276,25 +287,38 @@ class Trainer:
         if not self.model.ctx.scopes:
             raise ExecScopeRequired(f"{op}: expected an open exec scope (`with ctx.exec_scope():`); "
                                     f"the loss and its graph are scope borrows")
-        if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
-            raise TypeError(f"{op}: expected a real loss_scale, got {loss_scale!r}")
+        return self.sample_loss(self.sample(op, tokens, labels, reduction), reduction, loss_scale)
+
+    def sample(self, op: str, tokens, labels, reduction: str = "mean") -> Sample:
+        """tokens and labels checked (one label per token, ids and labels inside the
+        vocabulary), with the head's rows for `reduction` ("none": every position)."""
         n_tokens = len(tokens)
         n_labels = labels.numel if isinstance(labels, Tensor) else len(labels)
         if n_labels != n_tokens:
             raise LabelLengthMismatch(f"{op}: expected one label per token ({n_tokens}), got "
                                       f"{n_labels} labels")
-        tokens = check_tokens(op, tokens, self.model.config.vocab)
-        arr, ignored = host_labels("cross_entropy", labels, n_tokens, self.model.config.vocab,
-                                   IGNORE_INDEX, ("seq",))
-        rows = None if reduction == "none" else head_rows(ignored)   # "none": every position
+        vocab = self.model.config.vocab
+        ids = check_tokens(op, tokens, vocab)
+        arr, ignored = host_labels("cross_entropy", labels, n_tokens, vocab, IGNORE_INDEX, ("seq",))
+        rows = None if reduction == "none" else head_rows(ignored)
+        mask = ignored.tobytes()
+        if rows is not None:
+            arr, ignored = arr[rows], ignored[rows]
+        return Sample(ids, arr, ignored, mask, rows)
+
+    def sample_loss(self, s: Sample, reduction: str = "mean", loss_scale: float = 1.0) -> Tensor:
+        """loss_ext of a prepared sample (in an open exec scope)."""
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
+            raise TypeError(f"decoder.Trainer.loss_ext: expected a real loss_scale, got "
+                            f"{loss_scale!r}")
         step = self.step_counter
         # a graph scope: what backward does not read (base projections, LoRA deltas before
         # their sums, residual sums) goes back to the pool as the forward goes, instead of
         # living in the caller's scope until it closes; the loss alone is the caller's borrow
         with self.model.ctx.graph_scope():
-            logits = self._logits(tokens, step, rows=rows)
-            ce = logits.cross_entropy_ext("vocab", arr if rows is None else arr[rows],
-                                          ignore_index=IGNORE_INDEX, reduction=reduction)
+            logits = self._logits(s.ids, step, rows=s.rows)
+            ce = logits.cross_entropy_ext("vocab", s.labels, ignore_index=IGNORE_INDEX,
+                                          reduction=reduction)
             del logits
             if loss_scale != 1:
                 ce = ce.scale(loss_scale)
