@@ -525,13 +525,33 @@ def core_peak(threads: int) -> float:
     return threads * FMA_ITERS * FMA_CHAINS * lanes * 2 / best
 
 
-def bound_note(their_s: float, flops: float, rate: float, who: str) -> str:
+def bound_note(their_s: float, flops: float, rate: float, who: str, fma: float | None = None
+               ) -> str:
     """The most a step of `flops` matrix work can gain on their `their_s` on this host: a step
-    of nothing but that work at our 1024³ GEMM `rate` (FLOP/s). A ratio target above it
-    cannot be met here, whatever the rest of the step costs."""
+    of nothing but that work at our 1024³ GEMM `rate` (FLOP/s), and with `fma` (core_peak) at
+    the cores' f32 FMA peak, the physical bound (fma_bound). A ratio target above the first
+    cannot be met with our GEMM, above the second with any."""
     floor = flops / rate
-    return (f"bound on this host: {who} {their_s:.3g} s / (matrix work at our 1024³ rate "
-            f"{floor:.3g} s) = {their_s / floor:.2f}×")
+    out = (f"bound on this host: {who} {their_s:.3g} s / (matrix work at our 1024³ rate "
+           f"{floor:.3g} s) = {their_s / floor:.2f}×")
+    if fma:
+        out += (f"; at the cores' f32 FMA peak ({fma / 1e9:.0f} GFLOP/s) "
+                f"{fma_bound(their_s, flops, fma):.2f}×")
+    return out
+
+
+def fma_bound(their_s: float, flops: float, fma: float) -> float:
+    """their_s over the time `flops` of multiply-adds take at the cores' FMA peak `fma`
+    (core_peak: registers only, no loads): no step doing that work gains more on them here."""
+    return their_s * fma / flops
+
+
+def above_bound(r: dict, bound: float, need: float) -> dict:
+    """Mark a missed row whose ratio target `need` is above `bound` (fma_bound): the target is
+    out of physical reach on this host, whatever the code does (its status says so)."""
+    if r.get("met") is False and bound < need:
+        r["above_bound"] = True
+    return r
 
 
 GEMM_FAMILIES = ("gemm_pack", "gemm_tile", "gemm_tile_direct", "gemm_small")
@@ -653,9 +673,14 @@ def fmt_gbs(bps: float) -> str:
     return f"{bps / 1e9:.1f} GB/s"
 
 
+ABOVE_BOUND = "missed, target above the FMA bound"
+
+
 def _status(r):
     if r.get("met") is False and r.get("parity"):
         return "missed, ≈ parity (< 2 %)"
+    if r.get("met") is False and r.get("above_bound"):
+        return ABOVE_BOUND
     return {True: "met", False: "**missed**", None: "—"}[r.get("met")]
 
 
