@@ -171,8 +171,10 @@ def test_bad_inputs_are_named_on_every_path(files):
     bad[2] = VOCAB
     with pytest.raises(IndexOutOfBounds, match="loss_backward: token id 512"):
         tr.loss_backward(bad, labels)
-    with pytest.raises(LabelLengthMismatch, match="one label per token"):
+    with pytest.raises(LabelLengthMismatch, match="loss_backward: expected one label per token"):
         tr.loss_backward(tokens, labels[:-1])
+    with pytest.raises(TypeError, match="loss_backward: expected a real loss_scale"):
+        tr.loss_backward(tokens, labels, loss_scale="2")
     worse = labels.copy()
     worse[0] = VOCAB + 3
     with pytest.raises(IndexOutOfBounds, match="label 515"):

@@ -69,7 +69,7 @@ class Replays:
     # ---- the step ----
     def loss_backward(self, tokens, labels, reduction: str, loss_scale: float) -> float:
         tr = self.trainer
-        s = tr.sample(OP, tokens, labels, reduction)     # (bad input raises here, the replay kept)
+        s = tr._sample(OP, tokens, labels, reduction)     # (bad input raises here, the replay kept)
         key = self._key(s, reduction, loss_scale) if self.enabled else None
         if key is None:
             self.last_key = None
@@ -105,7 +105,7 @@ class Replays:
     def _eager(self, s, reduction, loss_scale) -> float:
         ctx = self.trainer.model.ctx
         with ctx.exec_scope():
-            loss = self.trainer.sample_loss(s, reduction, loss_scale)
+            loss = self.trainer._sample_loss(OP, s, reduction, loss_scale)
             loss.backward()
             return loss.item()
 
@@ -114,7 +114,7 @@ class Replays:
         ctx.pool.trim()          # the capture's pool holds the step's memory from now on
         with plan.capture(ctx) as cap:
             with ctx.exec_scope():
-                loss = self.trainer.sample_loss(s, reduction, loss_scale)
+                loss = self.trainer._sample_loss(OP, s, reduction, loss_scale)
                 leaves = engine.leaves(loss._node)
                 fresh = all(n.grad is None for n in leaves)
                 loss.backward()

@@ -78,7 +78,7 @@ def head_rows(ignored: np.ndarray):
 
 @dataclass(frozen=True)
 class Sample:
-    """One sample as the loss reads it (Trainer.sample): the eager loss and a replayed step
+    """One sample as the loss reads it (Trainer._sample): the eager loss and a replayed step
     (decoder/replay.py, which keys and feeds on it) prepare it once, the same way."""
     ids: np.ndarray            # the token ids, checked against the vocabulary
     labels: np.ndarray         # the labels of the head's rows (of every position when rows is None)
@@ -287,9 +287,10 @@ class Trainer:
         if not self.model.ctx.scopes:
             raise ExecScopeRequired(f"{op}: expected an open exec scope (`with ctx.exec_scope():`); "
                                     f"the loss and its graph are scope borrows")
-        return self.sample_loss(self.sample(op, tokens, labels, reduction), reduction, loss_scale)
+        return self._sample_loss(op, self._sample(op, tokens, labels, reduction), reduction,
+                                 loss_scale)
 
-    def sample(self, op: str, tokens, labels, reduction: str = "mean") -> Sample:
+    def _sample(self, op: str, tokens, labels, reduction: str) -> Sample:
         """tokens and labels checked (one label per token, ids and labels inside the
         vocabulary), with the head's rows for `reduction` ("none": every position)."""
         n_tokens = len(tokens)
@@ -306,11 +307,10 @@ class Trainer:
             arr, ignored = arr[rows], ignored[rows]
         return Sample(ids, arr, ignored, mask, rows)
 
-    def sample_loss(self, s: Sample, reduction: str = "mean", loss_scale: float = 1.0) -> Tensor:
+    def _sample_loss(self, op: str, s: Sample, reduction: str, loss_scale: float) -> Tensor:
         """loss_ext of a prepared sample (in an open exec scope)."""
         if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
-            raise TypeError(f"decoder.Trainer.loss_ext: expected a real loss_scale, got "
-                            f"{loss_scale!r}")
+            raise TypeError(f"{op}: expected a real loss_scale, got {loss_scale!r}")
         step = self.step_counter
         # a graph scope: what backward does not read (base projections, LoRA deltas before
         # their sums, residual sums) goes back to the pool as the forward goes, instead of
