@@ -167,7 +167,7 @@ def _model(label: str, path: str, with_q8: bool, threads: int, quick: bool) -> l
                    + c.bound_note(len(ids) / h_rate, flops, rate, "transformers", core)
                    if k == 0 and h_rate else ""))
         if k == 0 and judged:
-            c.above_bound(r, c.fma_bound(len(ids) / h_rate, flops, core), target)
+            c.above_bound(r, len(ids) / h_rate, flops, core, target)
         out.append(r)
     if ggml:
         for k, what, f_rate in ((0, "prefill", fp), (1, "decode", fd)):

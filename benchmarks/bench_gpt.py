@@ -97,7 +97,7 @@ def _one(threads: int, quick: bool, batch: int = 1) -> list[dict]:
             target="≥ 1.5× PyTorch, GEMMs inside the step ≥ 90 % of the core's f32 peak"
             if to_s else "", met=(to_s / fu_s >= 1.5 and share >= 0.9) if to_s else None,
             note=note)
-    return [c.above_bound(r, c.fma_bound(to_s, total, core), 1.5) if to_s else r]
+    return [c.above_bound(r, to_s, total, core, 1.5) if to_s else r]
 
 
 def rows(quick: bool = False) -> list[dict]:

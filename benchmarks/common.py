@@ -546,10 +546,11 @@ def fma_bound(their_s: float, flops: float, fma: float) -> float:
     return their_s * fma / flops
 
 
-def above_bound(r: dict, bound: float, need: float) -> dict:
-    """Mark a missed row whose ratio target `need` is above `bound` (fma_bound): the target is
-    out of physical reach on this host, whatever the code does (its status says so)."""
-    if r.get("met") is False and bound < need:
+def above_bound(r: dict, their_s: float, flops: float, fma: float, need: float) -> dict:
+    """Mark a missed row whose ratio target `need` is above fma_bound(their_s, flops, fma):
+    the target is out of physical reach on this host, whatever the code does (its status
+    says so)."""
+    if r.get("met") is False and fma_bound(their_s, flops, fma) < need:
         r["above_bound"] = True
     return r
 

@@ -22,14 +22,13 @@ its memory.
 """
 from __future__ import annotations
 
-import numbers
 import struct
 import sys
 
 import numpy as np
 
 from ...ag import engine
-from ...ag.loss import encode_labels
+from ...ag.loss import check_loss_scale, encode_labels
 from ...exec import plan
 
 OP = "decoder.Trainer.loss_backward"
@@ -69,12 +68,12 @@ class Replays:
     # ---- the step ----
     def loss_backward(self, tokens, labels, reduction: str, loss_scale: float) -> float:
         tr = self.trainer
-        s = tr._sample(OP, tokens, labels, reduction)     # (bad input raises here, the replay kept)
+        check_loss_scale(OP, loss_scale)                  # bad input raises here, the replay kept
+        s = tr._sample(OP, tokens, labels, reduction)
         key = self._key(s, reduction, loss_scale) if self.enabled else None
         if key is None:
             self.last_key = None
             return self._eager(s, reduction, loss_scale)
-        enc = encode_labels(s.labels, s.ignored, tr.model.config.vocab)
         st = self.step
         if st is not None and st.key != key:
             self.drop()
@@ -84,20 +83,19 @@ class Replays:
             self.last_key = key
             if self.repeats < CAPTURE_AFTER or key == self.rejected or _accumulating(tr):
                 return self._eager(s, reduction, loss_scale)
-            return self._capture(key, s, enc, reduction, loss_scale)
+            return self._capture(key, s, reduction, loss_scale)
         if not self._free(st):
             return self._eager(s, reduction, loss_scale)
         if not st.trusted:
-            return self._check(st, s, enc, reduction, loss_scale)
-        value = self._replay(st, s.ids, enc)
+            return self._check(st, s, reduction, loss_scale)
+        value = self._replay(st, s)
         tr.step_counter += 1
         return value
 
     def _key(self, s, reduction, loss_scale):
         """What a replay of the sample's step must match; None when not replayable."""
         tr = self.trainer
-        if (tr.lora_config.dropout_p != 0 or not engine.is_grad_enabled()
-                or isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real)):
+        if tr.lora_config.dropout_p != 0 or not engine.is_grad_enabled():
             return None
         return (len(s.ids), s.mask, reduction, struct.pack("<d", float(loss_scale)),
                 tr.checkpoint_layers, _addresses(tr))
@@ -105,23 +103,23 @@ class Replays:
     def _eager(self, s, reduction, loss_scale) -> float:
         ctx = self.trainer.model.ctx
         with ctx.exec_scope():
-            loss = self.trainer._sample_loss(OP, s, reduction, loss_scale)
+            loss = self.trainer._sample_loss(s, reduction, loss_scale)
             loss.backward()
             return loss.item()
 
-    def _capture(self, key, s, enc, reduction, loss_scale) -> float:
+    def _capture(self, key, s, reduction, loss_scale) -> float:
         ctx = self.trainer.model.ctx
         ctx.pool.trim()          # the capture's pool holds the step's memory from now on
         with plan.capture(ctx) as cap:
             with ctx.exec_scope():
-                loss = self.trainer._sample_loss(OP, s, reduction, loss_scale)
+                loss = self.trainer._sample_loss(s, reduction, loss_scale)
                 leaves = engine.leaves(loss._node)
                 fresh = all(n.grad is None for n in leaves)
                 loss.backward()
                 value = loss.item()
                 loss_raw = loss._live(OP)
         fixed = plan.Fixed(cap)
-        feeds = (fixed.upload_index(s.ids), fixed.upload_index(enc))
+        feeds = (fixed.upload_index(s.ids), fixed.upload_index(self._encoded(s)))
         if fresh and None not in feeds and feeds[0] != feeds[1]:
             st = self.step = _Step(key, fixed, leaves, [n.grad for n in leaves], loss_raw, feeds)
             st.refs = _refs(st)
@@ -130,7 +128,7 @@ class Replays:
             self.rejected = key
         return value
 
-    def _check(self, st, s, enc, reduction, loss_scale) -> float:
+    def _check(self, st, s, reduction, loss_scale) -> float:
         """The step run eagerly in the capture's memory, then replayed: kept when the two agree
         bit for bit and the eager run left no buffer behind in that memory."""
         tr = self.trainer
@@ -149,7 +147,7 @@ class Replays:
         kept = (after["outstanding"] == before["outstanding"]
                 and after["cached_bytes"] >= before["cached_bytes"])
         if kept:
-            got = self._replay(st, s.ids, enc)
+            got = self._replay(st, s)
             kept = (struct.pack("<d", got) == struct.pack("<d", value)
                     and all((w is None) == (n.grad is None)
                             and (w is None or np.array_equal(w.view(np.uint32),
@@ -173,10 +171,14 @@ class Replays:
             return False
         return _refs(st) == st.refs
 
-    def _replay(self, st, ids, enc) -> float:
+    def _encoded(self, s):
+        """The sample's labels as the loss uploads them (the replay's second feed)."""
+        return encode_labels(s.labels, s.ignored, self.trainer.model.config.vocab)
+
+    def _replay(self, st, s) -> float:
         ctx = self.trainer.model.ctx
-        st.fixed.feed(st.feeds[0], ids)
-        st.fixed.feed(st.feeds[1], enc)
+        st.fixed.feed(st.feeds[0], s.ids)
+        st.fixed.feed(st.feeds[1], self._encoded(s))
         st.fixed.run(ctx)
         self.runs += 1
         for n, g in zip(st.leaves, st.grads):

@@ -34,7 +34,7 @@ import numpy as np
 from ... import io
 from ...ag.checkpoint import checkpoint_with_context
 from ...ag.engine import is_grad_enabled, no_grad
-from ...ag.loss import host_labels
+from ...ag.loss import check_loss_scale, host_labels
 from ...ag.tensor import Tensor
 from ...errors import ExecScopeRequired, LabelLengthMismatch
 from ...exec.matmul import SMALL_M
@@ -287,7 +287,8 @@ class Trainer:
         if not self.model.ctx.scopes:
             raise ExecScopeRequired(f"{op}: expected an open exec scope (`with ctx.exec_scope():`); "
                                     f"the loss and its graph are scope borrows")
-        return self._sample_loss(op, self._sample(op, tokens, labels, reduction), reduction,
+        check_loss_scale(op, loss_scale)
+        return self._sample_loss(self._sample(op, tokens, labels, reduction), reduction,
                                  loss_scale)
 
     def _sample(self, op: str, tokens, labels, reduction: str) -> Sample:
@@ -307,10 +308,8 @@ class Trainer:
             arr, ignored = arr[rows], ignored[rows]
         return Sample(ids, arr, ignored, mask, rows)
 
-    def _sample_loss(self, op: str, s: Sample, reduction: str, loss_scale: float) -> Tensor:
-        """loss_ext of a prepared sample (in an open exec scope)."""
-        if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
-            raise TypeError(f"{op}: expected a real loss_scale, got {loss_scale!r}")
+    def _sample_loss(self, s: Sample, reduction: str, loss_scale: float) -> Tensor:
+        """loss_ext of a prepared sample and a checked loss_scale (in an open exec scope)."""
         step = self.step_counter
         # a graph scope: what backward does not read (base projections, LoRA deltas before
         # their sums, residual sums) goes back to the pool as the forward goes, instead of
