@@ -662,9 +662,11 @@ def test_documented_divergences_from_torch(ctx1):
     assert fu_("log1p", [1e-10]).tolist() == [0.0] and to_(torch.log1p, [1e-10])[0] == f32(1e-10)
     # 3. sign(NaN) is NaN (numpy's convention; torch gives 0)
     assert np.isnan(fu_("sign", [np.nan])).all() and to_(torch.sign, [np.nan]).tolist() == [0.0]
-    # 4. gelu_erf(+inf) = +inf (torch's vectorized path gives NaN; its scalar path inf)
+    # 4. gelu_erf(+inf) = +inf (torch's AVX-512 vectorized path gives NaN; its AVX2 and scalar
+    #    paths inf)
     inf16 = [np.inf] * 16
-    assert (fu_("gelu_erf", inf16) == np.inf).all() and np.isnan(to_(F.gelu, inf16)).all()
+    assert (fu_("gelu_erf", inf16) == np.inf).all()
+    assert all(np.isnan(v) or v == np.inf for v in to_(F.gelu, inf16))
     # 5. softplus has no threshold (torch switches to x above 20): equal values in float32 anyway
     big = [20.5, 30.0, 88.0]
     np.testing.assert_array_equal(fu_("softplus", big), to_(F.softplus, big))

@@ -213,6 +213,8 @@ def test_rank_add_is_the_separate_pass(route, r, monkeypatch):
 
     if route != "rowvec":
         _route(monkeypatch, route == "direct-b")
+    else:   # with 16 registers rowvec keeps only some small-b shapes (mm._rowvec_pays)
+        monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)
     monkeypatch.setattr(mm, "K_SLICE", 2 * g.KC)
     for M, K, N, acc in cases:
         for ta in (False, True):
@@ -310,14 +312,17 @@ def test_direct_b_accumulate_and_views(tb, monkeypatch):
 
 
 def test_rowvec_takes_rows_up_to_its_bounds(monkeypatch):
-    """b unit-stride along n (x · W, dx = g · W): rowvec up to RV_ROWS rows of C and a k of
-    RV_ROWS_K, the tile path past either bound; both run each element's FMA chain, so rowvec
-    is bitwise the packed path there (1 and 2 threads)."""
+    """b unit-stride along n (x · W, dx = g · W): rowvec up to rowvec_rows() rows of C (RV_ROWS;
+    AVX2_BIG_ROWS with 16 registers) and a k of RV_ROWS_K, the tile path past either bound;
+    both run each element's FMA chain, so rowvec is bitwise the packed path there (1 and 2
+    threads)."""
     rng = np.random.default_rng(11)
-    R, Kmax = mm.RV_ROWS, mm.RV_ROWS_K
+    R, Kmax = mm.rowvec_rows(), mm.RV_ROWS_K
+    rows = min(40, R)
     assert 300 * 1000 > mm.RV_MAX_B and Kmax * 200 > mm.RV_MAX_B   # b too big for L2 alone
-    for (M, K, N), want in (((R, 300, 1000), "rowvec"), ((R + 1, 300, 1000), "packed"),
-                            ((40, Kmax, 200), "rowvec"), ((40, Kmax + 1, 200), "packed direct-b")):
+    past = "packed" if R + 1 > mm.DIRECT_MC_ROWS else "packed direct-b"
+    for (M, K, N), want in (((R, 300, 1000), "rowvec"), ((R + 1, 300, 1000), past),
+                            ((rows, Kmax, 200), "rowvec"), ((rows, Kmax + 1, 200), "packed direct-b")):
         A, B = _data(rng, M, K), _data(rng, K, N)
 
         def run(ctx):
@@ -729,6 +734,7 @@ def test_rowvec_order_keeps_the_bits(monkeypatch):
     bits of the row-groups-first order, plain and accumulating, at 1 and 2 threads."""
     rng = np.random.default_rng(13)
     A, B, C0 = _data(rng, 301, 8), _data(rng, 8, 333), _data(rng, 301, 333)
+    monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)   # rowvec with 16 registers too
 
     run = _plain_and_accumulated(A, B, C0, True)
     outs = []

@@ -12,7 +12,10 @@ from tools import kernel_outputs
 
 
 def test_every_templated_kernel_output_is_bitwise_the_recorded_one():
-    want = json.loads(kernel_outputs.GOLDEN.read_text())
+    path = kernel_outputs.golden()
+    if not path.exists():
+        pytest.skip(f"no recorded table for this host's vector width ({path.name})")
+    want = json.loads(path.read_text())
     got = kernel_outputs.compute()
     assert sorted(got) == sorted(want), set(got) ^ set(want)
     changed = sorted(k for k in want if got[k] != want[k])

@@ -160,7 +160,9 @@ def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, th
 @pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q8_0"])
 def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
     """matvec="q8" changes decode steps only (the prompt's rows stay exact) and its logits
-    stay within the activation rounding's reach of the exact ones."""
+    stay within the activation rounding's reach of the exact ones; on a host without AVX-512
+    VNNI / VBMI (Zen 3) it is the exact product (Tensor.dot_q8's documented fallback)."""
+    from fucina.codegen import quant_q8
     ctx = fu.ExecContext(threads=1)
     path = models[("qwen3", weights)]
     exact, fast = load(path, ctx), load(path, ctx, matvec="q8")
@@ -173,7 +175,7 @@ def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
         first = [lm.forward(ids, KVCache(lm.model, len(ids))).numpy() for lm in (exact, fast)]
     assert np.array_equal(first[0], first[1])
     for a, b in zip(got, want):
-        assert not np.array_equal(a, b)
+        assert np.array_equal(a, b) != quant_q8.available()
         np.testing.assert_allclose(a, b, rtol=0, atol=0.01 * np.abs(b).max())
     with pytest.raises(fu.InvalidArgumentType, match="matvec: expected one of"):
         load(path, ctx, matvec="int8")

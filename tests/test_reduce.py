@@ -525,8 +525,11 @@ def test_segment_sum(ctx, shape, axis, offsets):
         (tr * torch.from_numpy(w)).sum().backward()
         np.testing.assert_allclose(x.grad().numpy(), ta.grad.numpy())
     x.zero_grad()
+    # the loss is linear in x: a wide step loses nothing to curvature and keeps the f32
+    # rounding of a loss of ~500 terms (its sum order follows the vector width) far below
+    # the tolerance (eps 1e-3 left AVX2's rounding at 1.5e-3 on one element)
     assert fu.gradcheck(lambda v: (v.segment_sum(tags[axis], offsets) * ctx.tensor(w, tags)).sum_all(),
-                        [x]).checked == a.size
+                        [x], eps=1e-2).checked == a.size
 
 
 def test_segment_sum_inputs_and_errors(ctx):

@@ -20,6 +20,18 @@ class Target:
     def f32_lanes(self) -> int:
         return self.vector_bits // 32
 
+    @property
+    def vector_regs(self) -> int:
+        """Vector registers a kernel can keep live: 32 zmm with AVX-512, else 16 (ymm / xmm).
+        Register-blocked tiles size their accumulators to it (more spill to the stack)."""
+        return 32 if self.vector_bits >= 512 else 16
+
+    @property
+    def mask_registers(self) -> bool:
+        """AVX-512's k registers: a masked store is as cheap as a plain one. Without them
+        (AVX2) a masked store is vmaskmovps, about 12 cycles a ymm store on Zen 3."""
+        return self.vector_bits >= 512
+
 
 @functools.lru_cache(maxsize=None)
 def host() -> Target:

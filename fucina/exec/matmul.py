@@ -33,6 +33,7 @@ import struct
 from ..codegen import gemm as g
 from ..codegen import kernels
 from ..codegen.irutil import ITEMSIZE
+from ..codegen.target import host
 from ..errors import DTypeError, InvalidArgument, ShapeMismatch
 from .raw import RawTensor, numel
 
@@ -50,9 +51,15 @@ SMALL_M = 4              # at most this many rows of C go the direct way (rowvec
 DOT_N = 8                # at most this many columns of C go the dot way when K >= DOT_MIN_K,
 DOT_MIN_K = 16           # twice as many when K >= DOT_COPY_MIN_K; a b that is not contiguous
 DOT_COPY_MIN_K = 256     # along k is copied so first when N <= DOT_N and K >= DOT_COPY_MIN_K
-RV_RN, RV_ACC = 4, 16    # rowvec tile: up to RV_RN vectors across, RV_ACC accumulators ...
-RV_WIDE = 16             # ... or, for one or two rows of C, RV_WIDE / rows vectors across
-DOT_RN, DOT_ACC = 8, 24  # dot tile: up to DOT_RN columns, DOT_ACC accumulators
+# register tiles of the direct kernels, by the vector registers a kernel keeps live (32 zmm
+# with AVX-512, 16 ymm with AVX2): rowvec up to rv_rn vectors across and rv_acc accumulators,
+# or for one or two rows of C rv_wide / rows vectors across; dot up to dot_rn columns and
+# dot_acc accumulators. The 32-register tiles spill on 16 registers: on Zen 3, 1 thread, the
+# rowvec [256, 576] x [576, 576] 21 -> 72 GFLOP/s (6 x 2 ymm), dot [256, 576] x [576, 8]ᵀ
+# 33 -> 70 GFLOP/s (3 x 4 columns). The tile shapes group outputs only: each one's FMA chain
+# (its bits) is fixed by K.
+TILES = {32: {"rv_rn": 4, "rv_acc": 16, "rv_wide": 16, "dot_rn": 8, "dot_acc": 24},
+         16: {"rv_rn": 2, "rv_acc": 12, "rv_wide": 12, "dot_rn": 4, "dot_acc": 12}}
 RV_MAX_B = 1 << 18       # b up to this many elements (1 MiB f32, L2-sized): rowvec, A unpacked
 RV_COLS_K = 16           # rowvec with K at most this: column blocks fastest (C row by row)
 RV_ROWS, RV_ROWS_K = 512, 2048  # up to this many rows of C, K up to this, b unit-stride along
@@ -62,6 +69,8 @@ RV_ROWS, RV_ROWS_K = 512, 2048  # up to this many rows of C, K up to this, b uni
                                 # [576, 1536] 92 -> 101 / 177 -> 196, [256, 1536] x [1536, 576]
                                 # 106 -> 110 / 180 -> 221, [512, 576] x [576, 1536] 105 -> 113 /
                                 # 217 -> 224; at 1024 rows packed is as fast
+AVX2_ROWS, AVX2_BIG_ROWS = 32, 8   # rowvec's bounds with 16 registers (_rowvec_pays): rows
+AVX2_NARROW = (128, 256)          # of C with a small b / a big one; N below and M up to these
 K_SLICE = 2048           # a longer k runs in slices of this many (a multiple of KC): the
                          # [1024, 49152] x [49152, 576] head product 172 -> 213 GFLOP/s
 PF_C_MIN = 1 << 20       # a C of this many floats (4 MiB) or more does not stay cached: each
@@ -327,7 +336,7 @@ def _make_plan(a, b, shape, accumulate, scale, ranked=False) -> Plan:
         _plan_small(plan, "dot", None, (s_am, 1, 1, K), tuple(st * N * K for st in _contig(bs)),
                     *args)
         plan.kind = "dot copied-b"
-    elif K * N <= RV_MAX_B or (M <= RV_ROWS and K <= RV_ROWS_K and unit_n):
+    elif _rowvec_pays(M, N, K, unit_n):
         _plan_rowvec(plan, (s_am, s_ak), (s_bk, s_bn), bst, *args, ranked=ranked and one)
     else:
         plan.ranked = ranked and one
@@ -349,15 +358,42 @@ def _contig(shape):
 
 
 def _rowvec_tile(M, N):
-    """(rm rows, rn vectors) of the rowvec tile: up to RV_ACC accumulators; a wide strip of
-    b for one or two rows of C (GEMV reads long contiguous pieces of each row of b)."""
-    W = g.lanes()
+    """(rm rows, rn vectors) of the rowvec tile: up to rv_acc accumulators (tiles()); a wide
+    strip of b for one or two rows of C (GEMV reads long contiguous pieces of each row of b)."""
+    W, t = g.lanes(), tiles()
     nv = -(-N // W)
     if M <= 2:
-        rn = min(nv, RV_WIDE // M)
+        rn = min(nv, t["rv_wide"] // M)
         return M, rn
-    rn = min(RV_RN, nv)
-    return min(M, max(1, RV_ACC // rn)), rn
+    rn = min(t["rv_rn"], nv)
+    return min(M, max(1, t["rv_acc"] // rn)), rn
+
+
+def tiles() -> dict:
+    """This host's register tiles of the direct kernels (TILES)."""
+    return TILES[host().vector_regs]
+
+
+def _rowvec_pays(M, N, K, unit_n) -> bool:
+    """rowvec rather than the packed path, past SMALL_M rows: a b small enough for L2
+    (K·N <= RV_MAX_B), or one contiguous along n with up to RV_ROWS rows of C and K up to
+    RV_ROWS_K. With 16 registers rowvec's 6 x 2 tile reloads b from L2 and spills A's row
+    pointers, and the packed micro-kernel wins wherever packing A pays: there rowvec keeps a
+    small b with M <= AVX2_ROWS or a narrow one (AVX2_NARROW), a big b with M <=
+    AVX2_BIG_ROWS. Zen 3, 1 thread, GFLOP/s rowvec -> packed direct-b: [256, 576] x [576, 576]
+    72 -> 89, [48, 576] x [576, 1536] 60 -> 82, [256, 8] x [8, 576] 29 -> 53; packed loses at
+    [64, 64] x [64, 64] 61 -> 39, [256, 576] x [576, 96] 75 -> 65."""
+    small = K * N <= RV_MAX_B
+    big = M <= rowvec_rows() and K <= RV_ROWS_K and unit_n
+    if host().vector_regs >= 32:
+        return small or big
+    narrow = N < AVX2_NARROW[0] and M <= AVX2_NARROW[1]
+    return (small and (M <= AVX2_ROWS or narrow)) or big
+
+
+def rowvec_rows() -> int:
+    """Rows of C up to which rowvec takes a b of any size (contiguous along n) on this host."""
+    return RV_ROWS if host().vector_regs >= 32 else min(RV_ROWS, AVX2_BIG_ROWS)
 
 
 def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale, ranked=False):
@@ -391,8 +427,9 @@ def _plan_small(plan, mode, tile, strides, bst, bdt, M, N, K, bs, ast, nbatch, a
         ncb = -(-N // (rn * W))
         work = rm * min(N, rn * W) * K
     else:
-        rn = min(DOT_RN, N)
-        rm = min(M, max(1, DOT_ACC // rn))
+        t = tiles()
+        rn = min(t["dot_rn"], N)
+        rm = min(M, max(1, t["dot_acc"] // rn))
         ncb = -(-N // rn)
         work = rm * rn * K
     nrg = -(-M // rm)
