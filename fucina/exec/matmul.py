@@ -37,7 +37,11 @@ from ..codegen.target import host
 from ..errors import DTypeError, InvalidArgument, ShapeMismatch
 from .raw import RawTensor, numel
 
-MC_PANELS = 8            # at most this many MR panels of A per tile (MC x KC of A stays in L2)
+MC_ROWS = 64             # at most this many rows of A per tile, whole MR panels (MC x KC of A
+                         # stays in L2; a prompt of up to 60 tokens is one M block, so the
+                         # quantized tile decodes each weight panel once: with AVX2's 6-row
+                         # panels 8 of them made 48 rows, and a 55-token prefill product 12-16 %
+                         # slower on Zen 3)
 NC_PANELS = 8            # at most this many NR panels of B per tile
 DIRECT_A = True          # a row-major A read in place by the tile kernels (no pack pass)
 DIRECT_B = True          # b read in place by gemm_tile_direct (no pack pass) when A makes at
@@ -369,6 +373,11 @@ def _rowvec_tile(M, N):
     return min(M, max(1, t["rv_acc"] // rn)), rn
 
 
+def mc_panels() -> int:
+    """MR panels of A per tile (MC_ROWS)."""
+    return max(1, MC_ROWS // g.mr())
+
+
 def tiles() -> dict:
     """This host's register tiles of the direct kernels (TILES)."""
     return TILES[host().vector_regs]
@@ -532,7 +541,7 @@ def _plan_packed(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale):
     else:
         a_step, npa, asz = pack_step(A, "f32", MR, M, KS, sa[0], sa[1], bs, ast, nbatch, 0)
         asz = -(-asz // 16) * 16
-    MC = MCd if direct else blocks(Mp // MR, MC_PANELS) * MR
+    MC = MCd if direct else blocks(Mp // MR, mc_panels()) * MR
     pf_c = nbatch * M * N >= PF_C_MIN
     nmb = -(-M // MC)
     if direct:

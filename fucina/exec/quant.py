@@ -297,7 +297,7 @@ def _mm_plan(x, w, interleaved: bool = False) -> "mm.Plan":
     MR, NR = g.mr(), g.nr()
     one, none = (1, 1, 1), (0, 0, 0)
     a_step, _, asz = mm.pack_step(mm.A, "f32", MR, M, K, s_xm, 1, one, none, 1, 0)
-    MC = mm.blocks(-(-M // MR), mm.MC_PANELS) * MR
+    MC = mm.blocks(-(-M // MR), mm.mc_panels()) * MR
     nmb = -(-M // MC)
     # N blocks for the threads: an even split of the panels, finer when the tiles are few (a
     # prompt of tens of rows: one M block). Each panel is decoded once per M block whatever
