@@ -867,3 +867,33 @@ def test_edge_rows_have_their_micro_tiles():
             counts.add(sum("vfmadd" in x for x in asm[labels[parts[1]]:j + 1]))
     per_row = g.NR_VECS * g.UNROLL
     assert {r * per_row for r in (g.mr(), *g.EDGE_ROWS) if r <= g.mr()} <= counts
+
+
+@pytest.mark.parametrize("mode", ["kvec", "wvec"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pack_writes_its_panels_and_nothing_past_them(mode, threads):
+    """gemm_pack's A panels, MR rows each, in gemm_pack's layout P[kb][panel][k][w] (zeros
+    past M): element for element, and not a float past the packed size — AVX2's 6-row rows
+    are narrower than a vector and store whole vectors into the next row's start (row_spill),
+    all but each panel's last row."""
+    from fucina.codegen import gemm as g
+    MR, KC = g.mr(), g.KC
+    M, K = 5 * MR + 3, KC + 37
+    A = _data(np.random.default_rng(M), M, K)
+    with fu.ExecContext(threads=threads) as ctx:
+        src = ctx.from_numpy(A if mode == "kvec" else np.ascontiguousarray(A.T))
+        s_w, s_k = (K, 1) if mode == "kvec" else (1, M)
+        step, _, size = mm.pack_step(mm.A, "f32", MR, M, K, s_w, s_k, (1, 1, 1), (0, 0, 0), 1, 0)
+        addr, n, cost, _, tail = step
+        assert tail[:4] == (M, K, s_w, s_k)
+        out = ctx.from_numpy(np.full(size + 64, 7.0, np.float32))
+        ctx.launch(addr, n, cost, src.addr, out.addr, *tail)
+        got = out.to_numpy()
+    npan = -(-M // MR)
+    Ap = np.zeros((npan * MR, K), np.float32)
+    Ap[:M] = A
+    want = np.concatenate([Ap[p * MR:(p + 1) * MR, k0:k0 + KC].T.reshape(-1)
+                           for k0 in range(0, K, KC) for p in range(npan)])
+    assert size == want.size
+    assert_bitwise(got[:size], want)
+    assert (got[size:] == 7.0).all()

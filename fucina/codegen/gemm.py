@@ -269,6 +269,8 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
                             m = mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
                             x = u.load(b, src, b.add(srow, b.add(w0, u.i64(v * W))), dt, W, m)
                             sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
+                            if sm is not None and v == nvec - 1:
+                                sm = row_spill(b, sm, kcl, W)(k)
                             u.store(b, x, dst, b.add(b.add(drow, b.mul(p, pstride)),
                                                      u.i64(v * W)), "f32", sm)
         else:
@@ -285,6 +287,19 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
     return mod
 
 
+def row_spill(b, sm, kcl, W):
+    """The store mask of a panel row narrower than a vector (AVX2's 6-row A panels: 6 of 8
+    lanes), as a function of the row's k. Without mask registers a partial store is a slow
+    vmaskmovps, so each row but the panel's last stores the whole vector: its extra lanes
+    land on the next row's first elements, which that row's own store (later, k increasing)
+    overwrites. With AVX-512 the masked store is as cheap: sm itself."""
+    if host().mask_registers:
+        return lambda k: sm
+    full = ir.Constant(sm.type, [ir.Constant(u.I1, 1)] * W)
+    last = b.sub(kcl, u.i64(1))
+    return lambda k: b.select(b.icmp_signed("<", k, last), full, sm)
+
+
 def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
     """Unit stride along k: W panel rows x W consecutive k at a time, loaded along k and
     transposed in registers; one group of W rows after the other (W read streams at once).
@@ -293,6 +308,8 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
     for g in range(nvec):
         width_g = min(W, Wp - g * W)
         sm = None if width_g == W else u.tail_mask(b, u.i64(width_g), W)
+        if sm is not None and g == nvec - 1:
+            sm = row_spill(b, sm, kcl, W)
         with u.Loop(b, u.i64(0), kcl, W, f"kt{g}") as kt:
             kn = u.smin(b, u.i64(W), b.sub(kcl, kt))
             kmask = u.tail_mask(b, kn, W)
@@ -311,8 +328,9 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
             full = b.icmp_signed("==", kn, u.i64(W))
 
             def put(j):
-                u.store(b, cols[j], optr, b.add(b.mul(b.add(kt, u.i64(j)), u.i64(Wp)),
-                                                u.i64(g * W)), "f32", sm)
+                k = b.add(kt, u.i64(j))
+                u.store(b, cols[j], optr, b.add(b.mul(k, u.i64(Wp)), u.i64(g * W)), "f32",
+                        sm if not callable(sm) else sm(k))
 
             with b.if_else(full) as (then, other):
                 with then:
