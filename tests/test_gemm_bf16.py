@@ -549,6 +549,24 @@ def test_model_compute_errors(ctx1, tiny_path):
         Model.from_gguf(ctx1, tiny_path, compute="bf16", widen_frozen=True)
 
 
+def test_model_compute_bf16_warns_where_it_is_emulated(ctx1, tiny_path):
+    """Without vdpbf16ps (Zen 3, AVX2 CPUs) compute="bf16" runs the exact emulation, ~10x
+    slower than f32: from_gguf says so; with the instruction it is silent."""
+    import warnings
+
+    from fucina.exec.matmul_bf16 import host_has_dot
+    from fucina.llm.decoder import Model
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Model.from_gguf(ctx1, tiny_path, compute="bf16")
+        Model.from_gguf(ctx1, tiny_path)
+    said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    if host_has_dot()[0]:
+        assert not said
+    else:
+        assert len(said) == 1 and "exact emulation, ~10x slower than compute='f32'" in said[0]
+
+
 # ---- Muon's Newton–Schulz through the bf16 GEMM (ns_dtype="bf16", bf16 leaves only) ---------
 
 def _ns_reference(u, steps, bf16_gemm):

@@ -191,6 +191,19 @@ def transpose(b, rows):
     return rows
 
 
+def _batch_offsets(b, bt, nbatch, d1, d2, *strides):
+    """_batch_offset of batch bt for each (s0, s1, s2) in strides; 0 without a batch, where
+    the four divisions each would cost per item are skipped (a small problem's items are
+    short: [64, 64] x [64, 64] runs 44 of 64 k steps each on AVX2)."""
+    slots = [u.entry_alloca(b, u.I64) for _ in strides]
+    for slot in slots:
+        b.store(u.i64(0), slot)
+    with b.if_then(b.icmp_signed(">", nbatch, u.i64(1))):
+        for slot, st in zip(slots, strides):
+            b.store(_batch_offset(b, bt, d1, d2, *st), slot)
+    return [b.load(slot) for slot in slots]
+
+
 def _batch_offset(b, pb, d1, d2, s0, s1, s2):
     """Element offset of flat batch index pb over dims (*, d1, d2) with strides (s0, s1, s2)."""
     i2 = b.srem(pb, d2)
@@ -750,8 +763,7 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
         t = b.srem(q, b.mul(nrg, ncb))
         rg = b.select(by_c, b.sdiv(t, ncb), b.srem(t, nrg))
         cb = b.select(by_c, b.srem(t, ncb), b.sdiv(t, nrg))
-        aoff = _batch_offset(b, bt, d1, d2, as0, as1, as2)
-        boff = _batch_offset(b, bt, d1, d2, bs0, bs1, bs2)
+        aoff, boff = _batch_offsets(b, bt, nbatch, d1, d2, (as0, as1, as2), (bs0, bs1, bs2))
         coff = b.mul(bt, b.mul(M, N))
         i0 = b.mul(rg, u.i64(RM))
         mvalid = b.sub(M, i0)
@@ -811,13 +823,21 @@ def _build_small(key: GemmSmallKey, symbol: str) -> ir.Module:
                     kloop(True)
             masks = row_masks(b, mvalid, cm, RM)
             cbase = b.add(coff, b.add(b.mul(i0, N), j0))   # C[i0, j0]
-            for r in range(RM):
-                for v in range(RN):
-                    idx = b.add(cbase, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
-                    x = _scaled(b, b.load(accs[r][v]), key.scale)
-                    old = u.load(b, C, idx, "f32", W, masks[r][v])
-                    x = b.select(accumulate, b.fadd(old, x), x)
-                    u.store(b, x, C, idx, "f32", masks[r][v])
+
+            def put(add):
+                """Store the tile (added to C's values with `add`: C is read only then)."""
+                for r in range(RM):
+                    for v in range(RN):
+                        idx = b.add(cbase, b.add(b.mul(u.i64(r), N), u.i64(v * W)))
+                        x = _scaled(b, b.load(accs[r][v]), key.scale)
+                        if add:
+                            x = b.fadd(u.load(b, C, idx, "f32", W, masks[r][v]), x)
+                        u.store(b, x, C, idx, "f32", masks[r][v])
+            with b.if_else(accumulate) as (then, other):
+                with then:
+                    put(True)
+                with other:
+                    put(False)
             if rk is not None:
                 add_rank(b, rk, accs, i0, j0, cm, masks, C, cbase, N, last_row)
         else:

@@ -58,6 +58,14 @@ def _check(a, b):
                             f"{b.shape}")
 
 
+def host_has_dot() -> tuple[bool, str]:
+    """(this CPU has vdpbf16ps, its LLVM name): without it every bf16 product runs the
+    instruction's exact emulation, an order of magnitude slower than the f32 GEMM."""
+    from ..codegen.target import host
+
+    return g.native(), host().cpu
+
+
 def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None,
               out: RawTensor | None = None, accumulate: bool = False,
               rank_add=None) -> RawTensor:
