@@ -194,7 +194,7 @@ def transpose(b, rows):
 def _batch_offsets(b, bt, nbatch, d1, d2, *strides):
     """_batch_offset of batch bt for each (s0, s1, s2) in strides; 0 without a batch, where
     the four divisions each would cost per item are skipped (a small problem's items are
-    short: [64, 64] x [64, 64] runs 44 of 64 k steps each on AVX2)."""
+    short: [64, 64] x [64, 64] is 44 items of 64 k steps on AVX2)."""
     slots = [u.entry_alloca(b, u.I64) for _ in strides]
     for slot in slots:
         b.store(u.i64(0), slot)
@@ -281,9 +281,8 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
                         for v in range(nvec):
                             m = mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
                             x = u.load(b, src, b.add(srow, b.add(w0, u.i64(v * W))), dt, W, m)
-                            sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
-                            if sm is not None and v == nvec - 1:
-                                sm = row_spill(b, sm, kcl, W)(k)
+                            sm = None if Wp - v * W >= W else \
+                                row_spill(b, u.tail_mask(b, u.i64(Wp - v * W), W), kcl, W)(k)
                             u.store(b, x, dst, b.add(b.add(drow, b.mul(p, pstride)),
                                                      u.i64(v * W)), "f32", sm)
         else:
@@ -301,8 +300,8 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
 
 
 def row_spill(b, sm, kcl, W):
-    """The store mask of a panel row narrower than a vector (AVX2's 6-row A panels: 6 of 8
-    lanes), as a function of the row's k. Without mask registers a partial store is a slow
+    """The store mask of a panel row's last vector, sm covering fewer than its W lanes
+    (AVX2's 6-row A panels: 6 of 8), as a function of the row's k. Without mask registers a partial store is a slow
     vmaskmovps, so each row but the panel's last stores the whole vector: its extra lanes
     land on the next row's first elements, which that row's own store (later, k increasing)
     overwrites. With AVX-512 the masked store is as cheap: sm itself."""
@@ -320,9 +319,8 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
     nvec = -(-Wp // W)
     for g in range(nvec):
         width_g = min(W, Wp - g * W)
-        sm = None if width_g == W else u.tail_mask(b, u.i64(width_g), W)
-        if sm is not None and g == nvec - 1:
-            sm = row_spill(b, sm, kcl, W)
+        mask_of = ((lambda k: None) if width_g == W else
+                   row_spill(b, u.tail_mask(b, u.i64(width_g), W), kcl, W))
         with u.Loop(b, u.i64(0), kcl, W, f"kt{g}") as kt:
             kn = u.smin(b, u.i64(W), b.sub(kcl, kt))
             kmask = u.tail_mask(b, kn, W)
@@ -343,7 +341,7 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
             def put(j):
                 k = b.add(kt, u.i64(j))
                 u.store(b, cols[j], optr, b.add(b.mul(k, u.i64(Wp)), u.i64(g * W)), "f32",
-                        sm if not callable(sm) else sm(k))
+                        mask_of(k))
 
             with b.if_else(full) as (then, other):
                 with then:
