@@ -248,8 +248,8 @@ def _rows(path, label, threads, quick, seqs, rss, rates, sft=False) -> list[dict
 
 def bf16_rows(path, label, threads, quick, seqs) -> list[dict]:
     """The step with compute="bf16" against our f32 step, same process, same tokens."""
-    from fucina.codegen.gemm_bf16 import native as has_bf16
-    native = has_bf16()
+    from fucina.exec.matmul_bf16 import host_has_dot
+    native = host_has_dot()[0]
     out = []
     for seq in seqs:
         for tname, targets in TARGETS.items():

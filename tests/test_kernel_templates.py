@@ -13,8 +13,8 @@ from tools import kernel_outputs
 
 def test_every_templated_kernel_output_is_bitwise_the_recorded_one():
     path = kernel_outputs.golden()
-    if not path.exists():
-        pytest.skip(f"no recorded table for this host's vector width ({path.name})")
+    assert path.exists(), (f"no recorded table for this host's vector width ({path.name}); "
+                           f"AVX2 (256) and AVX-512 (512) have one")
     want = json.loads(path.read_text())
     got = kernel_outputs.compute()
     assert sorted(got) == sorted(want), set(got) ^ set(want)

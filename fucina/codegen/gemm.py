@@ -266,6 +266,9 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
             # cache lines, and only that many write streams are open at once (the panels of a
             # block lie a multiple of 4 KiB apart: more streams would thrash L1 sets)
             sub = max(1, -(-(4 * W) // Wp))
+            mask_of = [(lambda k: None) if Wp - v * W >= W else
+                       row_spill(b, u.tail_mask(b, u.i64(Wp - v * W), W), kcl, W)
+                       for v in range(nvec)]
             with u.Loop(b, p0, p1, sub, "sg") as sg:
                 sg1 = u.smin(b, b.add(sg, u.i64(sub)), p1)
                 with u.Loop(b, u.i64(0), kcl, 1, "k") as k:
@@ -281,10 +284,8 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
                         for v in range(nvec):
                             m = mask_upto(b, b.sub(wvalid, u.i64(v * W)), W)
                             x = u.load(b, src, b.add(srow, b.add(w0, u.i64(v * W))), dt, W, m)
-                            sm = None if Wp - v * W >= W else \
-                                row_spill(b, u.tail_mask(b, u.i64(Wp - v * W), W), kcl, W)(k)
                             u.store(b, x, dst, b.add(b.add(drow, b.mul(p, pstride)),
-                                                     u.i64(v * W)), "f32", sm)
+                                                     u.i64(v * W)), "f32", mask_of[v](k))
         else:
             with u.Loop(b, p0, p1, 1, "p") as p:
                 w0 = b.mul(p, u.i64(Wp))

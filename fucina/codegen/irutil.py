@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 
+from .target import host
+
 F32 = ir.FloatType()
 F16 = ir.HalfType()
 I1 = ir.IntType(1)
@@ -257,7 +259,7 @@ def store(b, v, base, index, dtype: str, mask=None, stream=False):
     elif mask is None:
         s = b.store(v, p)
         s.align = ITEMSIZE[dtype]
-    elif isinstance(mask, ir.Constant) or _mask_registers():
+    elif isinstance(mask, ir.Constant) or host().mask_registers:
         intrinsic(b, "llvm.masked.store", VOID, [v, p, ir.Constant(I32, ITEMSIZE[dtype]), mask],
                   types=[v.type, PTR])
     else:
@@ -272,12 +274,6 @@ def store(b, v, base, index, dtype: str, mask=None, stream=False):
             with other:
                 intrinsic(b, "llvm.masked.store", VOID,
                           [v, p, ir.Constant(I32, ITEMSIZE[dtype]), mask], types=[v.type, PTR])
-
-
-def _mask_registers() -> bool:
-    from .target import host
-
-    return host().mask_registers
 
 
 def while_loop(b, cond, body, name="w"):
