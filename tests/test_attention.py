@@ -87,6 +87,24 @@ def test_both_sides_of_the_key_tile(ctx1, T):
     check(ctx1, 70, T, 2, 2, 16, causal=False)
 
 
+def test_partial_key_tile_never_reads_stale_memory(ctx1, monkeypatch):
+    """The kernels load whole vectors of a partial last key tile, columns past the keys
+    included, whose scores no result may read. Every buffer handed out here starts as NaN:
+    a score of such a column used anywhere (a NaN times p = 0 is NaN) shows in the output
+    or a gradient."""
+    real = type(ctx1).empty
+
+    def poisoned(self, shape, dtype="f32"):
+        t = real(self, shape, dtype)
+        if dtype == "f32":
+            np.frombuffer(t.buf, np.float32)[:] = np.nan
+        return t
+
+    monkeypatch.setattr(type(ctx1), "empty", poisoned)
+    check(ctx1, 70, exa.BK + 6, 2, 1, 32)
+    check(ctx1, 70, exa.FWD_BK + 6, 2, 2, 16, causal=False)
+
+
 def test_tiled_paths(ctx, tiny_tiles):
     check(ctx, 37, 53, 4, 2, 8)
     check(ctx, 37, 53, 4, 2, 8, causal=False)

@@ -317,25 +317,22 @@ class _Tiles:
             u.store(self.b, u.const(self.vt, 0.0), buf, self.b.add(off, u.i64(v * self.W)),
                     "f32", self.dmask[v])
 
-    def key_masks(self, nk):
-        return [gemm.mask_upto(self.b, self.b.sub(nk, u.i64(v * self.W)), self.W)
-                for v in range(self.KV)]
-
     def panel(self, xT, kvh, k0):
         """The [D, BK] panel of the key tile at k0 in a [KVH, key tiles, D, BK] operand."""
         b = self.b
         tile = b.add(b.mul(kvh, self.ntiles), b.sdiv(k0, u.i64(self.BK)))
         return b.gep(xT, [b.mul(tile, u.i64(self.D * self.BK))], source_etype=u.F32)
 
-    def scores(self, dst, x, xrow, nq, xT, kmask, cols=None):
+    def scores(self, dst, x, xrow, nq, xT, cols=None):
         """dst[i, j] = Σ_d x[xrow(i) + d]·xT[d·BK + j] (in d order) for the rows i < nq of
         the query tile (rounded up to MR) and the BK columns of the key tile; xT is the tile's
-        panel (self.panel), keys past the tile's nk read as 0."""
+        panel (self.panel). Whole-vector loads, no masks: a partial tile's columns past nk
+        hold anything, and so do their scores, which no row pass or product reads (on AVX2
+        the masks took registers from the accumulators and spilled them)."""
         b, W = self.b, self.W
         _mm(b, nq, self.KV, u.i64(self.D),
             lambda i, d: u.load(b, x, b.add(xrow(i), d), "f32"),
-            lambda d, v: u.load(b, xT, b.add(b.mul(d, u.i64(self.BK)), u.i64(v * W)), "f32", W,
-                                kmask[v]),
+            lambda d, v: u.load(b, xT, b.add(b.mul(d, u.i64(self.BK)), u.i64(v * W)), "f32", W),
             lambda i, v: u.const(self.vt, 0.0),
             lambda i, v, acc: u.store(b, acc, dst, self.at(i, v), "f32"), cols)
 
@@ -438,7 +435,7 @@ def _fwd(key, b, args, c0, c1):
         pos = lambda i: b.add(off, b.add(q0, i))  # noqa: E731  (absolute position)
         with u.Loop(b, kfirst, kend, BK, "k0") as k0:
             nk = u.smin(b, u.i64(BK), b.sub(kend, k0))
-            t.scores(s, q, qrow, nq, t.panel(kT, kvh, k0), t.key_masks(nk),
+            t.scores(s, q, qrow, nq, t.panel(kT, kvh, k0),
                      t.needed(pos, k0, nk, causal, window))
             with u.Loop(b, u.i64(0), nq, 1, "r") as i:
                 lo, hi = t.bounds(pos(i), k0, nk, causal, window)
@@ -517,7 +514,6 @@ def _bwd(key, b, args, c0, c1):
         with u.Loop(b, kt0, kt1, 1, "kt") as kt:
             k0 = b.mul(kt, u.i64(BK))
             nk = u.smin(b, u.i64(BK), b.sub(T, k0))
-            kmask = t.key_masks(nk)
             t.fill(dka, u.i64(t.RK * DP), 0.0)
             t.fill(dva, u.i64(t.RK * DP), 0.0)
             qlo = b.select(causal, b.sub(k0, off), u.i64(0))
@@ -529,7 +525,7 @@ def _bwd(key, b, args, c0, c1):
                 nq = u.smin(b, u.i64(BQ), b.sub(S, q0))
                 rowq = lambda i: qrow(b.add(q0, i))  # noqa: E731
                 pos = lambda i: b.add(off, b.add(q0, i))  # noqa: E731
-                t.scores(p, q, rowq, nq, t.panel(kT, kvh, k0), kmask,
+                t.scores(p, q, rowq, nq, t.panel(kT, kvh, k0),
                          t.needed(pos, k0, nk, causal, window))
                 with u.Loop(b, u.i64(0), nq, 1, "r") as i:
                     lo, hi = t.bounds(pos(i), k0, nk, causal, window)
@@ -545,7 +541,7 @@ def _bwd(key, b, args, c0, c1):
                 with b.if_then(kv):    # dv += pᵀ·dout
                     t.rows_into(dva, nk, nq, lambda j, i: u.load(b, p, t.col(i, j), "f32"),
                                 g, rowq, queries)
-                t.scores(ds, g, rowq, nq, t.panel(vT, kvh, k0), kmask)
+                t.scores(ds, g, rowq, nq, t.panel(vT, kvh, k0))
                 with u.Loop(b, u.i64(0), nq, 1, "r") as i:
                     dr = u.splat(b, u.load(b, Dr, b.add(b.mul(h, S), b.add(q0, i)), "f32"), W)
                     pb = b.gep(p, [b.mul(i, u.i64(BK))], source_etype=u.F32)

@@ -58,7 +58,9 @@ class Geometry:
 def _transposed(ctx, x, geo, BK):
     """k or v [T, KVH, D] as [KVH, key tiles, D, BK]: each key tile a contiguous D x BK panel,
     which the kernels' q·kᵀ and dout·vᵀ read as rows of keys. (A plain [D, T] would put a
-    tile's rows T·4 bytes apart: 4 KiB at T = 1024, all in one L1 set.)"""
+    tile's rows T·4 bytes apart: 4 KiB at T = 1024, all in one L1 set.) A last, partial tile's
+    columns past T are left as they were: the kernels load them (whole vectors) but no
+    result reads a score of a key past T."""
     T, KVH, D = geo.T, geo.KVH, geo.D
     nt, full = -(-T // BK), T // BK
     out = ctx.empty((KVH, nt, D, BK), "f32")
