@@ -123,6 +123,34 @@ def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
         assert_bitwise(outs[0], other)
 
 
+# the f16 scale fields of the 32-blocks (d, and m where there is one)
+SMALL_HALVES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,)}
+
+
+@pytest.mark.parametrize("fmt", sorted(SMALL_HALVES))
+def test_register_decode_of_32_blocks_on_any_bytes(ctx1, fmt):
+    """Blocks of random bytes (every code and fifth-bit pattern; f16 scales of magnitudes
+    1e-7 .. 1e3, subnormals included, and some ±inf): the gemv's decoders of the 32-blocks
+    (16-lane tables on AVX-512, per-W-lane conversions on AVX2, scales staged) give the
+    block decoders' bits for 1 to 4 rows of x, their item widths and odd N."""
+    rng = np.random.default_rng(11)
+    bs, nbytes = FORMATS[fmt]
+    N, K = 13, 1024
+    nblk = N * K // bs
+    raw = rng.integers(0, 256, (nblk, nbytes), dtype=np.uint8)
+    for off in SMALL_HALVES[fmt]:
+        h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
+        h[rng.integers(0, nblk, 6)] = np.float16(np.inf) * rng.choice([-1, 1], 6)
+        raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
+    q = xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt)
+    for rows in (1, 2, 3, 4):
+        x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
+        outs = [gemv_kernel(ctx1, x, q, xq.GEMV_COLS[rows], table=table)
+                for table in (True, False)]
+        assert np.isfinite(outs[1]).any()
+        assert_bitwise(outs[0], outs[1])
+
+
 # the f16 scale fields of each K-quant block (d, and dmin where there is one)
 KQ_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 

@@ -187,8 +187,10 @@ GEMV_WORK = 1 << 16      # weights decoded per chunk of a gemv launch
 # decoded blocks live: probably spilling, not checked in the asm). Measured at one token, one
 # thread: q8_0 [49152, 576] 4.2 ms -> 1.9-2.2 ms (13-16 GB/s; numpy reads ~17 GB/s on one
 # thread), q4_k [12288, 768] 1.0 ms -> 0.47 ms, the other formats within noise. Cols only
-# group outputs: each output's sum order is fixed by K, so the bits do not change.
-GEMV_COLS = {1: 4, 2: 4, 3: 2, 4: 2}
+# group outputs: each output's sum order is fixed by K, so the bits do not change. On 8
+# lanes (AVX2, 16 registers) 2: with 4 a row's 8 accumulators, x's 4 vectors and the
+# decode spill (Zen 3, one thread, q4_1 [1536, 4608]: 7.8 -> 11.8 G weights/s).
+GEMV_COLS = {1: 4, 2: 4, 3: 2, 4: 2} if g.lanes() == 16 else {1: 2, 2: 2, 3: 2, 4: 2}
 TILE_MIN_CHUNKS = 8      # the tiled path makes at least this many tiles where N allows (two
                          # threads; see _mm_plan). Prefill, 2 threads: SmolLM2 Q4_1 (55 tokens)
                          # 95.3 -> 82.0 ms, Gemma-3-270M Q4_K_M (35) 73.9 -> 64.7 ms
