@@ -20,7 +20,9 @@ materialised in memory as a whole. So each weight the matmul multiplies is bitwi
               (q2_k .. q6_k) decode by register decoders of their own (quant_kgemv: bytes
               transposed by a byte permute, scales broadcast from a stack buffer, tables of
               scale·code where they fit), every row of the item at once, 16 weights at a
-              time interleaved across the rows. Two accumulators per
+              time interleaved across the rows. On 8-lane hosts (AVX2) the 32-blocks are
+              converted and scaled per vector (_narrow_block), q4_k / q5_k / q6_k by
+              quant_kgemv.Narrow, 8 weights at a time across the rows. Two accumulators per
               output: lane t of accumulator s sums k = s*W + t + 2W*i over i in increasing
               order; they add, then a fixed halving tree folds the lanes. The order of every
               sum is fixed by K alone (not by M: a row of a batch is bitwise the row alone).
@@ -466,8 +468,9 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
 
 def _kquant_blocks(b, key, w, rows, row_bytes, nblk, ahead, kbufs, use):
     """The K-quant super-blocks of k in increasing order, each decoded in registers
-    (fucina.codegen.quant_kgemv) for every row of w of the item in one loop body, 16
-    weights at a time across the rows: 2·len(rows) accumulator chains in flight (a loop
+    (fucina.codegen.quant_kgemv) for every row of w of the item in one loop body, a vector
+    (16 weights; 8 on AVX2) at a time across the rows: 2·len(rows) accumulator chains in
+    flight, and each decoded vector used as soon as it is made (a loop
     over one row of w at a time has 2, and the FMA latency bounds them at 2 cycles per 16
     weights). Each row's vectors still reach its accumulators in increasing k: the bits are
     the block decoders'.
@@ -480,12 +483,11 @@ def _kquant_blocks(b, key, w, rows, row_bytes, nblk, ahead, kbufs, use):
         for c, buf in enumerate(kbufs):
             src = _block_ptr(b, w, rows[c], row_bytes, kb, nbytes)
             _prefetch_ahead(b, src, ahead, range(0, nbytes, 64))
-            decs.append(kq.prepare(b, key.fmt, src, buf))
+            decs.append(kq.prepare(b, key.fmt, src, buf, lanes()))
         kq.settle(b, kbufs)
-        n = 16 // kq.PARTS
-        for p in range(kq.PARTS):
+        for v in range(decs[0].vectors):
             for c, dec in enumerate(decs):
-                use(c, kb, dec.part(p), p * n)
+                use(c, kb, [dec.vector(v)], v)
 
 
 @register
@@ -537,7 +539,8 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                    or narrow and RM * bs // W <= X_REGS))
     sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
             _buffer(b, CN * (SEG_GROUPS * 8 + SEGMENT * 2)) if inter else None)
-    kregs = key.table and key.fmt in kq.FORMATS and kq.available()
+    kregs = key.table and (key.fmt in kq.FORMATS and kq.available()
+                           or W < 16 and key.fmt in kq.NARROW)
     kbufs = [_buffer(b, kq.SCRATCH) for _ in range(CN)] if kregs else None
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]

@@ -21,9 +21,8 @@ shuffles a group); on Zen 4 that is ~11 vector instructions per 16 weights. Here
   codes are assembled 64 at a time in weight order as signed bytes 4·q in the scratch,
   sign-extended by the loads, converted and multiplied by dl/4 (see Q6K).
 
-Each decoder is `Decoder(b, src, scratch)`; `part(p)` emits the vectors of part p (PARTS
-parts of 16 // PARTS vectors, in increasing order) so the gemv can interleave the parts of
-several rows of w.
+Each decoder is `Decoder(b, src, scratch)`; `vector(v)` emits vector v, so the gemv can
+interleave the vectors of several rows of w. Narrow is the same for 8-lane hosts (AVX2).
 """
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ from .quant import _bytes, _half, _q3_scales, _sbytes
 F16V = ir.VectorType(u.F32, 16)
 I16V = ir.VectorType(u.I32, 16)
 B64 = ir.VectorType(u.I8, 64)
-PARTS = 16           # parts of a block the gemv interleaves across rows of w
 SCRATCH = 80         # floats of stack buffer a decoder needs (scales, negated mins;
                      # q6_k's 4 runs of 64 code bytes from float 16)
 FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
@@ -43,7 +41,8 @@ FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 def available() -> bool:
     """The host has what these decoders are written in: 16-lane f32 vectors and the byte
-    permute (AVX-512 VBMI; Zen 4 / Zen 5, Ice Lake on). Elsewhere the block decoders run."""
+    permute (AVX-512 VBMI; Zen 4 / Zen 5, Ice Lake on). On 8 lanes Narrow decodes q4_k,
+    q5_k and q6_k; the block decoders run elsewhere."""
     from .target import host
     return host().f32_lanes == 16 and "+avx512vbmi" in host().features
 
@@ -158,10 +157,7 @@ class _Decoder:
         v.align = 4
         return b.shuffle_vector(v, v, ir.Constant(I16V, [k % lanes for k in range(16)]))
 
-    def part(self, p):
-        """The decoded vectors of part p of the block, in increasing order."""
-        n = 16 // PARTS
-        return [self.vector(v) for v in range(p * n, p * n + n)]
+    vectors = 16     # a block's vectors; vector(v) emits vector v (weights 16v .. 16v + 15)
 
 
 def _scales_mins_k4(b, src):
@@ -366,9 +362,99 @@ class Q6K(_Decoder):
 
 DECODERS = {"q2_k": Q2K, "q3_k": Q3K, "q4_k": Q4K, "q5_k": Q5K, "q6_k": Q6K}
 
+class Narrow:
+    """q4_k / q5_k / q6_k on W = 8 lanes (a host without 16-lane permutes: AVX2), each lane
+    the block decoder's value: a vector's codes widen to i32 lanes from their bytes
+    (vpmovzxbd), are masked and shifted, converted and scaled through `table` (q4_k / q5_k:
+    q·dl − ml in one FMA, exact as argued there; q6_k: (q − 32)·dl), the sub-block scales
+    broadcast from the scratch as the 16-lane decoders do. On Zen 3 the block decoders'
+    16- and 32-lane shuffles and the trip through a stack buffer ran these at ~0.5x torch's
+    f32 matvec."""
 
-def prepare(b, fmt, src, scratch):
-    """The decoder of the block at src (its scales stored to scratch, SCRATCH floats)."""
+    def __init__(self, b, fmt, src, scratch, W):
+        self.b, self.fmt, self.src, self.scratch, self.W = b, fmt, src, scratch, W
+        self.vectors = 256 // W
+        if fmt == "q6_k":
+            sc = _sbytes(b, src, 192, 16)
+            scales = b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V))
+            self._q6_codes()
+        else:
+            scales = _scales_mins_k4(b, src)
+        st = b.store(scales, b.gep(scratch, [u.i64(0)], source_etype=u.F32))
+        st.align = 4
+
+    def _q6_codes(self):
+        """q6_k's 256 codes q − 32 as signed bytes in weight order, stored to the scratch from
+        float 16 on, 32 at a time in byte lanes (weights 128n + 32r .. + 31: nibble r // 2 of
+        ql[64n + 32·(r % 2) ..], bits 2r of qh[32n ..]); vector() then widens 8 of them by a
+        sign-extending load. Per vector that is a load, where shifting and masking its lanes
+        took seven instructions."""
+        b = self.b
+        t = ir.VectorType(u.I8, 32)
+
+        def load(off):
+            v = b.load(b.gep(self.src, [u.i64(off)], source_etype=u.I8), typ=t)
+            v.align = 1
+            return v
+
+        for n in range(2):
+            qh = load(128 + 32 * n)
+            for r in range(4):
+                low = self._field(load(64 * n + 32 * (r % 2)), 4 * (r // 2), 15)
+                code = b.sub(b.or_(low, self._field(qh, 2 * r - 4, 0x30)), u.const(t, 32))
+                st = b.store(code, b.gep(self.scratch, [u.i64(64 + 32 * (4 * n + r))],
+                                         source_etype=u.I8))
+                st.align = 1
+
+    def _bytes(self, off):
+        """W bytes at src + off as i32 lanes."""
+        b = self.b
+        v = b.load(b.gep(self.src, [u.i64(off)], source_etype=u.I8),
+                   typ=ir.VectorType(u.I8, self.W))
+        v.align = 1
+        return b.zext(v, ir.VectorType(u.I32, self.W))
+
+    def _bcast(self, at):
+        b = self.b
+        v = b.load(b.gep(self.scratch, [u.i64(at)], source_etype=u.F32), typ=u.F32)
+        return u.splat(b, v, self.W)
+
+    def _field(self, v, shift, mask):
+        """(v >> shift) & mask, shift < 0 a left shift."""
+        b, t = self.b, v.type
+        if shift > 0:
+            v = b.lshr(v, u.const(t, shift))
+        elif shift < 0:
+            v = b.shl(v, u.const(t, -shift))
+        return b.and_(v, u.const(t, mask))
+
+    def vector(self, v):
+        b, W = self.b, self.W
+        w0 = v * W
+        fw = ir.VectorType(u.F32, W)
+        if self.fmt == "q6_k":
+            q = b.load(b.gep(self.scratch, [u.i64(64 + w0)], source_etype=u.I8),
+                       typ=ir.VectorType(u.I8, W))
+            q.align = 1
+            q = b.sext(q, ir.VectorType(u.I32, W))
+            return table(b, b.sitofp(q, fw), self._bcast(w0 // 16))
+        five = self.fmt == "q5_k"
+        c, r = divmod(w0, 64)       # weight 64c + 32p + k: nibble p of ql[32c + k]
+        p, k = divmod(r, 32)
+        q = self._field(self._bytes((48 if five else 16) + 32 * c + k), 4 * p, 15)
+        if five:                    # + 16 where bit 2c + p of qh[k] is set
+            q = b.or_(q, self._field(self._bytes(16 + k), 2 * c + p - 4, 16))
+        return table(b, b.sitofp(q, fw), self._bcast(2 * c + p), self._bcast(8 + 2 * c + p))
+
+
+NARROW = ("q4_k", "q5_k", "q6_k")   # the K-quants Narrow decodes
+
+
+def prepare(b, fmt, src, scratch, W=16):
+    """The decoder of the block at src (its scales stored to scratch, SCRATCH floats): the
+    16-lane one, or on W = 8 lanes Narrow."""
+    if W < 16:
+        return Narrow(b, fmt, src, scratch, W)
     return DECODERS[fmt](b, src, scratch)
 
 
