@@ -151,6 +151,25 @@ def test_register_decode_of_32_blocks_on_any_bytes(ctx1, fmt):
         assert_bitwise(outs[0], outs[1])
 
 
+def test_q8_0_copy_of_q5_0_holds_the_same_values(ctx1):
+    """exec.quant.widen (an 8-lane host's for_matvec copy of a q5_0 weight): q8_0 blocks
+    whose values are the q5_0 blocks' bit for bit, on random bytes (every code and fifth
+    bit, subnormal and infinite scales)."""
+    rng = np.random.default_rng(5)
+    N, K = 7, 160
+    nblk = N * K // 32
+    raw = rng.integers(0, 256, (nblk, 22), dtype=np.uint8)
+    h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
+    h[:2] = np.float16(np.inf) * np.array([1, -1])
+    raw[:, :2] = h.view(np.uint8).reshape(nblk, 2)
+    q = fu.Tensor(xq.from_bytes(ctx1, raw.tobytes(), (N, K), "q5_0"), ("o", "i"))
+    wide = fu.Tensor(xq.widen(ctx1, q._raw), ("o", "i"))
+    assert wide.dtype == "q8_0" and wide.shape == (N, K)
+    assert_bitwise(wide.to("f32").numpy(), q.to("f32").numpy())
+    with pytest.raises(fu.DTypeError, match="widen: expected a q5_0 weight, got q4_0"):
+        xq.widen(ctx1, qweight(ctx1, 4, 64, "q4_0")[0]._raw)
+
+
 # the f16 scale fields of each K-quant block (d, and dmin where there is one)
 KQ_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 

@@ -362,6 +362,7 @@ class Q6K(_Decoder):
 
 DECODERS = {"q2_k": Q2K, "q3_k": Q3K, "q4_k": Q4K, "q5_k": Q5K, "q6_k": Q6K}
 
+
 class Narrow:
     """q4_k / q5_k / q6_k on W = 8 lanes (a host without 16-lane permutes: AVX2), each lane
     the block decoder's value: a vector's codes widen to i32 lanes from their bytes
