@@ -123,28 +123,36 @@ def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
         assert_bitwise(outs[0], other)
 
 
-# the f16 scale fields of the 32-blocks (d, and m where there is one)
-SMALL_HALVES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,)}
+# the f16 scale fields of each block (d, and m / dmin where there is one)
+HALVES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+          "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
-@pytest.mark.parametrize("fmt", sorted(SMALL_HALVES))
-def test_register_decode_of_32_blocks_on_any_bytes(ctx1, fmt):
-    """Blocks of random bytes (every code and fifth-bit pattern; f16 scales of magnitudes
-    1e-7 .. 1e3, subnormals included, and some ±inf): the gemv's decoders of the 32-blocks
-    (16-lane tables on AVX-512, per-W-lane conversions on AVX2, scales staged) give the
-    block decoders' bits for 1 to 4 rows of x, their item widths and odd N."""
-    rng = np.random.default_rng(11)
+def any_blocks(ctx, fmt, N, K, seed, inf=False):
+    """[N, K] of random block bytes (every code, sub-scale, min and high bit pattern) with
+    f16 scales of magnitudes 1e-7 .. 1e3, subnormals included (inf: and a few infinite
+    ones)."""
+    rng = np.random.default_rng(seed)
     bs, nbytes = FORMATS[fmt]
-    N, K = 13, 1024
     nblk = N * K // bs
     raw = rng.integers(0, 256, (nblk, nbytes), dtype=np.uint8)
-    for off in SMALL_HALVES[fmt]:
+    for off in HALVES[fmt]:
         h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
-        h[rng.integers(0, nblk, 6)] = np.float16(np.inf) * rng.choice([-1, 1], 6)
+        if inf:
+            h[rng.integers(0, nblk, 6)] = np.float16(np.inf) * rng.choice([-1, 1], 6)
         raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
-    q = xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt)
+    return xq.from_bytes(ctx, raw.tobytes(), (N, K), fmt)
+
+
+@pytest.mark.parametrize("fmt", sorted(HALVES))
+def test_register_decode_on_any_bytes(ctx1, fmt):
+    """The gemv's decoders (16-lane tables and the K-quant register decoders on AVX-512;
+    per-vector conversions and quant_kgemv.Narrow on AVX2; staged scales) give the block
+    decoders' bits on any_blocks (the 32-blocks with infinite scales too), for 1 to 4 rows
+    of x, their item widths and odd N (an item past N's edge)."""
+    q = any_blocks(ctx1, fmt, 13, 1024, 7, inf=FORMATS[fmt][0] == 32)
     for rows in (1, 2, 3, 4):
-        x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
+        x = ctx1.tensor(rnd(rows, 1024), ("s", "i"))._raw
         outs = [gemv_kernel(ctx1, x, q, xq.GEMV_COLS[rows], table=table)
                 for table in (True, False)]
         assert np.isfinite(outs[1]).any()
@@ -153,48 +161,13 @@ def test_register_decode_of_32_blocks_on_any_bytes(ctx1, fmt):
 
 def test_q8_0_copy_of_q5_0_holds_the_same_values(ctx1):
     """exec.quant.widen (an 8-lane host's for_matvec copy of a q5_0 weight): q8_0 blocks
-    whose values are the q5_0 blocks' bit for bit, on random bytes (every code and fifth
-    bit, subnormal and infinite scales)."""
-    rng = np.random.default_rng(5)
-    N, K = 7, 160
-    nblk = N * K // 32
-    raw = rng.integers(0, 256, (nblk, 22), dtype=np.uint8)
-    h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
-    h[:2] = np.float16(np.inf) * np.array([1, -1])
-    raw[:, :2] = h.view(np.uint8).reshape(nblk, 2)
-    q = fu.Tensor(xq.from_bytes(ctx1, raw.tobytes(), (N, K), "q5_0"), ("o", "i"))
+    whose values are the q5_0 blocks' bit for bit, on any_blocks with infinite scales."""
+    q = fu.Tensor(any_blocks(ctx1, "q5_0", 7, 160, 5, inf=True), ("o", "i"))
     wide = fu.Tensor(xq.widen(ctx1, q._raw), ("o", "i"))
-    assert wide.dtype == "q8_0" and wide.shape == (N, K)
+    assert wide.dtype == "q8_0" and wide.shape == (7, 160)
     assert_bitwise(wide.to("f32").numpy(), q.to("f32").numpy())
     with pytest.raises(fu.DTypeError, match="widen: expected a q5_0 weight, got q4_0"):
         xq.widen(ctx1, qweight(ctx1, 4, 64, "q4_0")[0]._raw)
-
-
-# the f16 scale fields of each K-quant block (d, and dmin where there is one)
-KQ_HALVES = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-
-
-@pytest.mark.parametrize("fmt", KQUANT)
-def test_kquant_register_decode_on_any_bytes(ctx1, fmt):
-    """Blocks of random bytes (every code, sub-scale, min and high bit pattern; finite f16
-    scales of magnitudes 1e-7 .. 1e3, subnormals included): the gemv's register decoders
-    give the block decoders' bits for 1 to 4 rows of x, their item widths and odd N (an
-    item past N's edge)."""
-    rng = np.random.default_rng(7)
-    bs, nbytes = FORMATS[fmt]
-    N, K = 13, 1024
-    nblk = N * K // bs
-    raw = rng.integers(0, 256, (nblk, nbytes), dtype=np.uint8)
-    for off in KQ_HALVES[fmt]:
-        h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
-        raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
-    q = xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt)
-    for rows in (1, 2, 3, 4):
-        x = ctx1.tensor(rnd(rows, K), ("s", "i"))._raw
-        outs = [gemv_kernel(ctx1, x, q, xq.GEMV_COLS[rows], table=table)
-                for table in (True, False)]
-        assert np.isfinite(outs[1]).all()
-        assert_bitwise(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
@@ -285,19 +258,11 @@ def test_interleave_kernel_writes_the_layout(ctx1, ctx2, fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
 def test_for_matvec_on_any_bytes(ctx1, fmt):
-    """Blocks of random bytes (every nibble and high-bit pattern; finite f16 scales and mins of
-    magnitudes 1e-7 .. 1e3, subnormals included) through the interleaved copy: one to 8 rows
-    of x give the stored layout's bits, for burst (K = 896) and spread prefetch (K = 2304)
-    and odd N (an item past N's edge)."""
-    rng = np.random.default_rng(11)
-    bs, nbytes = FORMATS[fmt]
+    """any_blocks (finite scales) through the for_matvec copy (interleaved on AVX-512, q8_0
+    for q5_0 on AVX2): one to 8 rows of x give the stored layout's bits, for burst (K = 896)
+    and spread prefetch (K = 2304) and odd N (an item past N's edge)."""
     for N, K in ((13, 896), (7, 2304)):
-        nblk = N * K // bs
-        raw = rng.integers(0, 256, (nblk, nbytes), dtype=np.uint8)
-        for off in (0, 2) if fmt in ("q4_1", "q5_1") else (0,):
-            h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
-            raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
-        q = fu.Tensor(xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt), ("o", "i"))
+        q = fu.Tensor(any_blocks(ctx1, fmt, N, K, 11), ("o", "i"))
         qi = q.for_matvec()
         for M in (1, 2, 5, 8):
             x = ctx1.tensor(rnd(M, K), ("s", "i"))
@@ -307,7 +272,7 @@ def test_for_matvec_on_any_bytes(ctx1, fmt):
 
 
 def test_for_matvec_leaves_other_tensors(ctx1):
-    """Other block formats and dense tensors have no interleaved layout: returned as they are."""
+    """Other block formats and dense tensors have no for_matvec copy: returned as they are."""
     q, _ = qweight(ctx1, 8, 256, "q4_k")
     assert q.for_matvec() is q
     q8, _ = qweight(ctx1, 8, 64, "q8_0")
