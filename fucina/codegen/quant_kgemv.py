@@ -41,8 +41,8 @@ FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 def available() -> bool:
     """The host has what these decoders are written in: 16-lane f32 vectors and the byte
-    permute (AVX-512 VBMI; Zen 4 / Zen 5, Ice Lake on). On 8 lanes Narrow decodes q4_k,
-    q5_k and q6_k; the block decoders run elsewhere."""
+    permute (AVX-512 VBMI; Zen 4 / Zen 5, Ice Lake on). On 8 lanes Narrow decodes them;
+    the block decoders run elsewhere."""
     from .target import host
     return host().f32_lanes == 16 and "+avx512vbmi" in host().features
 
@@ -364,13 +364,13 @@ DECODERS = {"q2_k": Q2K, "q3_k": Q3K, "q4_k": Q4K, "q5_k": Q5K, "q6_k": Q6K}
 
 
 class Narrow:
-    """q4_k / q5_k / q6_k on W = 8 lanes (a host without 16-lane permutes: AVX2), each lane
-    the block decoder's value: a vector's codes widen to i32 lanes from their bytes
-    (vpmovzxbd), are masked and shifted, converted and scaled through `table` (q4_k / q5_k:
-    q·dl − ml in one FMA, exact as argued there; q6_k: (q − 32)·dl), the sub-block scales
-    broadcast from the scratch as the 16-lane decoders do. On Zen 3 the block decoders'
-    16- and 32-lane shuffles and the trip through a stack buffer ran these at ~0.5x torch's
-    f32 matvec."""
+    """The K-quants on W = 8 lanes (a host without 16-lane permutes: AVX2), each lane the
+    block decoder's value: a vector's codes widen to i32 lanes from their bytes (vpmovzxbd),
+    are masked and shifted, converted and scaled through `table` (q4_k / q5_k / q2_k:
+    q·dl − ml in one FMA, exact as argued there; q6_k: (q − 32)·dl, q3_k: q·dl with q
+    −4 .. 3), the group scales (and negated mins) broadcast from the scratch as the 16-lane
+    decoders do. On Zen 3 the block decoders' 16- and 32-lane shuffles and the trip through
+    a stack buffer ran these at ~0.5x torch's f32 matvec."""
 
     def __init__(self, b, fmt, src, scratch, W):
         self.b, self.fmt, self.src, self.scratch, self.W = b, fmt, src, scratch, W
@@ -379,6 +379,16 @@ class Narrow:
             sc = _sbytes(b, src, 192, 16)
             scales = b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V))
             self._q6_codes()
+        elif fmt == "q3_k":
+            scales = b.fmul(u.splat(b, _half(b, src, 108), 16), b.sitofp(_q3_scales(b, src),
+                                                                          F16V))
+        elif fmt == "q2_k":    # the 16 groups' scale (low nibble) and min (high)
+            sc = _bytes(b, src, 0, 16)
+            d, dmin = _half(b, src, 80), _half(b, src, 82)
+            mls = b.fmul(u.splat(b, dmin, 16), b.sitofp(b.lshr(sc, u.const(I16V, 4)), F16V))
+            st = b.store(b.fneg(mls), b.gep(scratch, [u.i64(16)], source_etype=u.F32))
+            st.align = 4
+            scales = b.fmul(u.splat(b, d, 16), b.sitofp(b.and_(sc, u.const(I16V, 15)), F16V))
         else:
             scales = _scales_mins_k4(b, src)
         st = b.store(scales, b.gep(scratch, [u.i64(0)], source_etype=u.F32))
@@ -439,6 +449,19 @@ class Narrow:
             q.align = 1
             q = b.sext(q, ir.VectorType(u.I32, W))
             return table(b, b.sitofp(q, fw), self._bcast(w0 // 16))
+        if self.fmt in ("q2_k", "q3_k"):   # weight 128h + 32j + 16p + t: bits 2j of
+            h, r = divmod(w0, 128)           # q[32h + 16p + t], group w // 16
+            j, r = divmod(r, 32)
+            p, t = divmod(r, 16)
+            at = 32 * h + 16 * p + t
+            q = self._field(self._bytes((16 if self.fmt == "q2_k" else 32) + at), 2 * j, 3)
+            if self.fmt == "q2_k":
+                return table(b, b.sitofp(q, fw), self._bcast(w0 // 16),
+                             self._bcast(16 + w0 // 16))
+            # q3_k: q − 4 unless bit 4h + j of hmask[16p + t] is set (then it adds 4 back)
+            q = b.or_(q, self._field(self._bytes(16 * p + t), 4 * h + j - 2, 4))
+            q = b.sub(q, u.const(q.type, 4))
+            return table(b, b.sitofp(q, fw), self._bcast(w0 // 16))
         five = self.fmt == "q5_k"
         c, r = divmod(w0, 64)       # weight 64c + 32p + k: nibble p of ql[32c + k]
         p, k = divmod(r, 32)
@@ -448,7 +471,7 @@ class Narrow:
         return table(b, b.sitofp(q, fw), self._bcast(2 * c + p), self._bcast(8 + 2 * c + p))
 
 
-NARROW = ("q4_k", "q5_k", "q6_k")   # the K-quants Narrow decodes
+NARROW = FORMATS   # the K-quants Narrow decodes
 
 
 def prepare(b, fmt, src, scratch, W=16):
