@@ -365,12 +365,14 @@ DECODERS = {"q2_k": Q2K, "q3_k": Q3K, "q4_k": Q4K, "q5_k": Q5K, "q6_k": Q6K}
 
 class Narrow:
     """The K-quants on W = 8 lanes (a host without 16-lane permutes: AVX2), each lane the
-    block decoder's value: a vector's codes widen to i32 lanes from their bytes (vpmovzxbd),
-    are masked and shifted, converted and scaled through `table` (q4_k / q5_k / q2_k:
-    q·dl − ml in one FMA, exact as argued there; q6_k: (q − 32)·dl, q3_k: q·dl with q
-    −4 .. 3), the group scales (and negated mins) broadcast from the scratch as the 16-lane
-    decoders do. On Zen 3 the block decoders' 16- and 32-lane shuffles and the trip through
-    a stack buffer ran these at ~0.5x torch's f32 matvec."""
+    block decoder's value: a vector's codes widen to i32 lanes from their bytes (vpmovzxbd)
+    and are masked and shifted there (q2_k, q3_k, q4_k), or come whole from codes built 32
+    at a time in byte lanes (q5_k, q6_k: _byte_codes); then converted and scaled through
+    `table` (q4_k / q5_k / q2_k: q·dl − ml in one FMA, exact as argued there; q6_k:
+    (q − 32)·dl, q3_k: q·dl with q −4 .. 3), the group scales (and negated mins) broadcast
+    from the scratch as the 16-lane decoders do. On Zen 3 the block decoders' 16- and
+    32-lane shuffles and the trip through a stack buffer ran these at ~0.5x torch's f32
+    matvec."""
 
     def __init__(self, b, fmt, src, scratch, W):
         self.b, self.fmt, self.src, self.scratch, self.W = b, fmt, src, scratch, W
@@ -378,7 +380,7 @@ class Narrow:
         if fmt == "q6_k":
             sc = _sbytes(b, src, 192, 16)
             scales = b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V))
-            self._q6_codes()
+            self._byte_codes()
         elif fmt == "q3_k":
             scales = b.fmul(u.splat(b, _half(b, src, 108), 16), b.sitofp(_q3_scales(b, src),
                                                                           F16V))
@@ -391,15 +393,18 @@ class Narrow:
             scales = b.fmul(u.splat(b, d, 16), b.sitofp(b.and_(sc, u.const(I16V, 15)), F16V))
         else:
             scales = _scales_mins_k4(b, src)
+            if fmt == "q5_k":
+                self._byte_codes()
         st = b.store(scales, b.gep(scratch, [u.i64(0)], source_etype=u.F32))
         st.align = 4
 
-    def _q6_codes(self):
-        """q6_k's 256 codes q − 32 as signed bytes in weight order, stored to the scratch from
-        float 16 on, 32 at a time in byte lanes (weights 128n + 32r .. + 31: nibble r // 2 of
-        ql[64n + 32·(r % 2) ..], bits 2r of qh[32n ..]); vector() then widens 8 of them by a
-        sign-extending load. Per vector that is a load, where shifting and masking its lanes
-        took seven instructions."""
+    def _byte_codes(self):
+        """q6_k's and q5_k's 256 codes in weight order as bytes (q6_k: q − 32, signed),
+        stored to the scratch from float 16 on, 32 at a time in byte lanes: vector() then
+        widens 8 of them by one extending load, where shifting and masking their i32 lanes
+        took seven instructions (q6_k: weights 128n + 32r .. + 31 are nibble r // 2 of
+        ql[64n + 32·(r % 2) ..] and bits 2r of qh[32n ..]; q5_k: weights 64c + 32p .. + 31
+        nibble p of ql[32c ..] and bit 2c + p of qh[0 ..])."""
         b = self.b
         t = ir.VectorType(u.I8, 32)
 
@@ -408,14 +413,23 @@ class Narrow:
             v.align = 1
             return v
 
+        def store(code, run):
+            st = b.store(code, b.gep(self.scratch, [u.i64(64 + 32 * run)], source_etype=u.I8))
+            st.align = 1
+
+        if self.fmt == "q5_k":
+            qh = load(16)
+            for c in range(4):
+                for p in range(2):
+                    low = self._field(load(48 + 32 * c), 4 * p, 15)
+                    store(b.or_(low, self._field(qh, 2 * c + p - 4, 16)), 2 * c + p)
+            return
         for n in range(2):
             qh = load(128 + 32 * n)
             for r in range(4):
                 low = self._field(load(64 * n + 32 * (r % 2)), 4 * (r // 2), 15)
                 code = b.sub(b.or_(low, self._field(qh, 2 * r - 4, 0x30)), u.const(t, 32))
-                st = b.store(code, b.gep(self.scratch, [u.i64(64 + 32 * (4 * n + r))],
-                                         source_etype=u.I8))
-                st.align = 1
+                store(code, 4 * n + r)
 
     def _bytes(self, off):
         """W bytes at src + off as i32 lanes."""
@@ -443,12 +457,15 @@ class Narrow:
         b, W = self.b, self.W
         w0 = v * W
         fw = ir.VectorType(u.F32, W)
-        if self.fmt == "q6_k":
+        if self.fmt in ("q5_k", "q6_k"):   # codes from _byte_codes
             q = b.load(b.gep(self.scratch, [u.i64(64 + w0)], source_etype=u.I8),
                        typ=ir.VectorType(u.I8, W))
             q.align = 1
-            q = b.sext(q, ir.VectorType(u.I32, W))
-            return table(b, b.sitofp(q, fw), self._bcast(w0 // 16))
+            iw = ir.VectorType(u.I32, W)
+            if self.fmt == "q6_k":
+                return table(b, b.sitofp(b.sext(q, iw), fw), self._bcast(w0 // 16))
+            return table(b, b.sitofp(b.zext(q, iw), fw), self._bcast(w0 // 32),
+                         self._bcast(8 + w0 // 32))
         if self.fmt in ("q2_k", "q3_k"):   # weight 128h + 32j + 16p + t: bits 2j of
             h, r = divmod(w0, 128)           # q[32h + 16p + t], group w // 16
             j, r = divmod(r, 32)
@@ -462,12 +479,9 @@ class Narrow:
             q = b.or_(q, self._field(self._bytes(16 * p + t), 4 * h + j - 2, 4))
             q = b.sub(q, u.const(q.type, 4))
             return table(b, b.sitofp(q, fw), self._bcast(w0 // 16))
-        five = self.fmt == "q5_k"
-        c, r = divmod(w0, 64)       # weight 64c + 32p + k: nibble p of ql[32c + k]
+        c, r = divmod(w0, 64)       # q4_k: weight 64c + 32p + k is nibble p of ql[32c + k]
         p, k = divmod(r, 32)
-        q = self._field(self._bytes((48 if five else 16) + 32 * c + k), 4 * p, 15)
-        if five:                    # + 16 where bit 2c + p of qh[k] is set
-            q = b.or_(q, self._field(self._bytes(16 + k), 2 * c + p - 4, 16))
+        q = self._field(self._bytes(16 + 32 * c + k), 4 * p, 15)
         return table(b, b.sitofp(q, fw), self._bcast(2 * c + p), self._bcast(8 + 2 * c + p))
 
 
