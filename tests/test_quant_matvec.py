@@ -159,17 +159,6 @@ def test_register_decode_on_any_bytes(ctx1, fmt):
         assert_bitwise(outs[0], outs[1])
 
 
-def test_q8_0_copy_of_q5_0_holds_the_same_values(ctx1):
-    """exec.quant.widen (an 8-lane host's for_matvec copy of a q5_0 weight): q8_0 blocks
-    whose values are the q5_0 blocks' bit for bit, on any_blocks with infinite scales."""
-    q = fu.Tensor(any_blocks(ctx1, "q5_0", 7, 160, 5, inf=True), ("o", "i"))
-    wide = fu.Tensor(xq.widen(ctx1, q._raw), ("o", "i"))
-    assert wide.dtype == "q8_0" and wide.shape == (7, 160)
-    assert_bitwise(wide.to("f32").numpy(), q.to("f32").numpy())
-    with pytest.raises(fu.DTypeError, match="widen: expected a q5_0 weight, got q4_0"):
-        xq.widen(ctx1, qweight(ctx1, 4, 64, "q4_0")[0]._raw)
-
-
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
 @pytest.mark.parametrize("N,K", [(1536, 576), (70, 2400), (33, 96), (5, 32), (24, 640),
                                  (9, 896)])
@@ -258,9 +247,9 @@ def test_interleave_kernel_writes_the_layout(ctx1, ctx2, fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
 def test_for_matvec_on_any_bytes(ctx1, fmt):
-    """any_blocks (finite scales) through the for_matvec copy (interleaved on AVX-512, q8_0
-    for q5_0 on AVX2): one to 8 rows of x give the stored layout's bits, for burst (K = 896)
-    and spread prefetch (K = 2304) and odd N (an item past N's edge)."""
+    """any_blocks (finite scales) through the interleaved copy: one to 8 rows of x give the
+    stored layout's bits, for burst (K = 896) and spread prefetch (K = 2304) and odd N (an
+    item past N's edge)."""
     for N, K in ((13, 896), (7, 2304)):
         q = fu.Tensor(any_blocks(ctx1, fmt, N, K, 11), ("o", "i"))
         qi = q.for_matvec()

@@ -195,9 +195,8 @@ class QuantMethods:
         """This weight with a second copy of its blocks laid out for products with one to 8
         rows (decode steps; fucina/exec/quant.py interleave): the same values and the same
         bits of every product, 15-25 % faster matvecs, twice the bytes held (q5: 6 % more).
-        q4_0 / q4_1 / q5_0 / q5_1 matrices on AVX-512 hosts; on AVX2 q5_0 ones, whose copy
-        is the same values as q8_0 blocks (2.55x the bytes held, ~1.5x faster matvecs);
-        any other tensor is returned as it is."""
+        q4_0 / q4_1 / q5_0 / q5_1 matrices on AVX-512 hosts; any other tensor is returned as
+        it is."""
         r = self._live("for_matvec")
         if isinstance(r, xq.GemvBlockRaw) or not xq.interleaves(r):
             return self

@@ -390,43 +390,6 @@ class QuantInterleaveKey(KernelKey):
         return str(mod)
 
 
-WIDENED = ("q5_0",)   # formats an 8-lane host's decode steps read as a q8_0 copy
-
-
-@register
-@dataclass(frozen=True)
-class QuantWidenKey(KernelKey):
-    """q5_0 blocks re-encoded as q8_0 blocks of the very same values, for the gemv on 8-lane
-    hosts (AVX2), where gathering each weight's fifth bit costs three instructions per 8
-    weights: d kept, code q stored as the byte q − 16, so q8_0's float(byte)·d is q5_0's
-    float(q − 16)·d bit for bit. 34 bytes a block instead of 22.
-
-    Arguments: 0 src (blocks), 1 dst (q8_0 blocks), 2 blocks, 3 blocks per chunk."""
-
-    family = "quant_widen"
-    fmt: str
-
-    def ir(self, symbol: str) -> str:
-        if self.fmt not in WIDENED:
-            raise ValueError(f"quant_widen: expected a format in {WIDENED}, got {self.fmt!r}")
-        mod, b, args, c0, c1 = u.kernel(symbol)
-        src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
-        nblk, per = u.arg(b, args, 2), u.arg(b, args, 3)
-        nb, qb = FORMATS[self.fmt][1], FORMATS["q8_0"][1]
-        i16 = ir.VectorType(u.I32, 16)
-        with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), nblk), 1, "k") as k:
-            sb = b.gep(src, [b.mul(k, u.i64(nb))], source_etype=u.I8)
-            db = b.gep(dst, [b.mul(k, u.i64(qb))], source_etype=u.I8)
-            d = b.load(sb, typ=u.I16)
-            d.align = 1
-            b.store(d, db).align = 1
-            for h, code in enumerate(_q5_indices(b, sb, self.fmt)):
-                q = b.trunc(b.sub(code, u.const(i16, 16)), ir.VectorType(u.I8, 16))
-                b.store(q, b.gep(db, [u.i64(2 + 16 * h)], source_etype=u.I8)).align = 1
-        b.ret_void()
-        return str(mod)
-
-
 def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block):
     """A row of w in the gemv's interleaved layout (fucina.exec.quant.interleave): groups of
     G = GROUPS[fmt] blocks of k, each [the G d's (f16)][the G m's, q4_1 / q5_1][64 bytes of

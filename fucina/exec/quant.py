@@ -16,7 +16,7 @@ from ..codegen import kernels
 from ..codegen.quant import ENCODABLE, QuantKey
 from ..codegen import quant_gemm, quant_q8
 from ..codegen.quant_gemm import (QuantCopyKey, QuantGemvKey, QuantInterleaveKey,
-                                  QuantRowsKey, QuantTileKey, QuantWidenKey)
+                                  QuantRowsKey, QuantTileKey)
 from ..errors import DTypeError, IndexOutOfBounds, InvalidShape, ShapeMismatch
 from . import elementwise as ew
 from . import matmul as mm
@@ -70,10 +70,8 @@ class BlockRaw(RawTensor):
 
 class GemvBlockRaw(BlockRaw):
     """A q4_0 / q4_1 / q5_0 / q5_1 weight that also holds its blocks in the gemv's
-    interleaved layout (`gemv`, bytes, see interleave), or on an 8-lane host a q5_0 weight
-    with a q8_0 copy of the same values (`gemv`, a BlockRaw). Every op reads the blocks as
-    stored; only the gemv (one to GEMV_MAX_ROWS rows of x) reads `gemv`, with the same
-    bits."""
+    interleaved layout (`gemv`, bytes, see interleave). Every op reads the blocks as stored;
+    only the gemv (one to GEMV_MAX_ROWS rows of x) reads `gemv`, with the same bits."""
 
     __slots__ = ("gemv",)
 
@@ -84,9 +82,9 @@ class GemvBlockRaw(BlockRaw):
 
 def interleaves(w) -> bool:
     """interleave(w) would serve w: a 2-D contiguous q4_0 / q4_1 / q5_0 / q5_1 weight on an
-    AVX-512 host, a q5_0 one on an 8-lane host (AVX2)."""
-    formats = quant_gemm.INTERLEAVED if g.lanes() == 16 else quant_gemm.WIDENED
-    return isinstance(w, BlockRaw) and w.dtype in formats and w.rank == 2
+    AVX-512 host."""
+    return (isinstance(w, BlockRaw) and w.dtype in quant_gemm.INTERLEAVED and w.rank == 2
+            and g.lanes() == 16)
 
 
 def interleave(ctx, w: BlockRaw) -> GemvBlockRaw:
@@ -95,36 +93,18 @@ def interleave(ctx, w: BlockRaw) -> GemvBlockRaw:
     [G m's, q4_1 / q5_1][64 bytes: dword j holds the codes of weights j and 16 + j of each
     block g at bits CODE_BITS·(2g + half)], then the last blocks as stored. The copy has
     w's size for q4, 6 % more for q5, written in one pass (QuantInterleaveKey). Decode
-    (matvec) steps read it: 30-40 % fewer instructions per block. On an 8-lane host (AVX2)
-    a q5_0 weight gets a q8_0 copy of the same values instead (QuantWidenKey: 1.55x its
-    bytes), whose gemv runs ~1.5x faster there, with the same bits."""
+    (matvec) steps read it: 30-40 % fewer instructions per block."""
     if not interleaves(w):
         raise DTypeError(f"interleave: expected a 2-D q4_0 / q4_1 / q5_0 / q5_1 weight on an "
-                         f"AVX-512 host (q5_0 on AVX2), got "
-                         f"{getattr(w, 'dtype', type(w).__name__)} of rank "
+                         f"AVX-512 host, got {getattr(w, 'dtype', type(w).__name__)} of rank "
                          f"{getattr(w, 'rank', '?')}")
     N, K = w.shape
-    if g.lanes() < 16:
-        return GemvBlockRaw(w, widen(ctx, w))
     rb = quant_gemm.interleaved_row_bytes(w.dtype, K)
     out = ctx.empty((N * rb,), "bool")
     per = max(1, COPY_CHUNK // rb)
     ctx.launch(kernels.get(QuantInterleaveKey(w.dtype)), -(-N // per), 2 * N * rb, w.addr,
                out.addr, N, K, per)
     return GemvBlockRaw(w, out)
-
-
-def widen(ctx, w: BlockRaw) -> BlockRaw:
-    """A contiguous q5_0 weight as q8_0 blocks of the same values (QuantWidenKey)."""
-    if not (isinstance(w, BlockRaw) and w.dtype in quant_gemm.WIDENED):
-        raise DTypeError(f"widen: expected a q5_0 weight, got "
-                         f"{getattr(w, 'dtype', type(w).__name__)}")
-    out = empty(ctx, w.shape, "q8_0")
-    nblk = numel(w.shape) // BLOCKS[w.dtype][0]
-    per = max(1, COPY_CHUNK // BLOCKS["q8_0"][1])
-    ctx.launch(kernels.get(QuantWidenKey(w.dtype)), -(-nblk // per),
-               w.lay.nbytes + out.lay.nbytes, w.addr, out.addr, nblk, per)
-    return out
 
 
 def row_bytes(fmt: str, K: int) -> int:
@@ -298,8 +278,6 @@ def _mm_plan(x, w, interleaved: bool = False) -> "mm.Plan":
     plan = mm.Plan((M, N))
     s_xm = x.strides[0] if x.strides[-1] == 1 else K   # otherwise x is copied contiguous first
     if M <= GEMV_MAX_ROWS:
-        if interleaved and isinstance(w.gemv, BlockRaw):   # the q8_0 copy (8 lanes)
-            return _mm_plan(x, w.gemv)
         plan.kind = "gemv"
         for m0 in range(0, M, GEMV_ROWS):
             rows = min(GEMV_ROWS, M - m0)
