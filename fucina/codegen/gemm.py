@@ -302,10 +302,11 @@ def _build_pack(key: GemmPackKey, symbol: str) -> ir.Module:
 
 def row_spill(b, sm, kcl, W):
     """The store mask of a panel row's last vector, sm covering fewer than its W lanes
-    (AVX2's 6-row A panels: 6 of 8), as a function of the row's k. Without mask registers a partial store is a slow
-    vmaskmovps, so each row but the panel's last stores the whole vector: its extra lanes
-    land on the next row's first elements, which that row's own store (later, k increasing)
-    overwrites. With AVX-512 the masked store is as cheap: sm itself."""
+    (AVX2's 6-row A panels: 6 of 8), as a function of the row's k. Without mask registers a
+    partial store is a slow vmaskmovps, so each row but the panel's last stores the whole
+    vector: its extra lanes land on the next row's first elements, which that row's own
+    store (later, k increasing) overwrites. With AVX-512 the masked store is as cheap: sm
+    itself."""
     if host().mask_registers:
         return lambda k: sm
     full = ir.Constant(sm.type, [ir.Constant(u.I1, 1)] * W)

@@ -53,7 +53,7 @@ from .emit import lane_tree
 from .gemm import KC, emit_tile, lanes, next_panel, share, transpose
 from .kernels import KernelKey, register
 from .quant import DECODERS as DECODERS
-from .quant import FORMATS
+from .quant import FORMATS, _load
 from .rows import fadd
 
 
@@ -174,13 +174,14 @@ def _narrow_block(b, src, fmt, dm, W):
     d: (0 − 8)·inf is −inf, 0·inf − 8·inf NaN.) Zen 3, [1536, 576] at one thread:
     q4_1 176 -> 85 µs, q5_0 161 -> ~120 µs."""
     i16, iw, fw = ir.VectorType(u.I32, 16), ir.VectorType(u.I32, W), ir.VectorType(u.F32, W)
+    b16 = ir.VectorType(u.I8, 16)
     offset = {"q4_0": 8, "q5_0": 16}.get(fmt)
     d = u.splat(b, dm[0], W)
     m = u.splat(b, dm[1], W) if fmt in ("q4_1", "q5_1") else None
     if fmt == "q8_0":
-        codes = [b.sext(_bytes16(b, src, 2 + 16 * h), i16) for h in range(2)]
+        codes = [b.sext(_load(b, src, 2 + 16 * h, b16), i16) for h in range(2)]
     else:
-        q = b.zext(_bytes16(b, src, HEADS[fmt] + (4 if fmt in ("q5_0", "q5_1") else 0)), i16)
+        q = b.zext(_load(b, src, HEADS[fmt] + (4 if fmt in ("q5_0", "q5_1") else 0), b16), i16)
         codes = [b.and_(q, u.const(i16, 15)), b.lshr(q, u.const(i16, 4))]
     out = []
     for h, q in enumerate(codes):
@@ -192,12 +193,6 @@ def _narrow_block(b, src, fmt, dm, W):
                 code = b.sub(code, u.const(iw, offset))
             out.append(kq.table(b, b.sitofp(code, fw), d, m))
     return out
-
-
-def _bytes16(b, src, off):
-    v = b.load(b.gep(src, [u.i64(off)], source_etype=u.I8), typ=ir.VectorType(u.I8, 16))
-    v.align = 1
-    return v
 
 
 def _fifth_bits(b, src, fmt, first, W):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from . import irutil as u
-from .quant import _bytes, _half, _q3_scales, _sbytes
+from .quant import _bytes, _half, _load, _q3_scales, _sbytes
 
 F16V = ir.VectorType(u.F32, 16)
 I16V = ir.VectorType(u.I32, 16)
@@ -73,9 +73,9 @@ def _transposed(b, src, off, n=64):
 def _codes(b, v, shift):
     """v moved right by `shift` bits (left when negative): a field's bits to a lane's bottom."""
     if shift > 0:
-        return b.lshr(v, u.const(I16V, shift))
+        return b.lshr(v, u.const(v.type, shift))
     if shift < 0:
-        return b.shl(v, u.const(I16V, -shift))
+        return b.shl(v, u.const(v.type, -shift))
     return v
 
 
@@ -409,9 +409,7 @@ class Narrow:
         t = ir.VectorType(u.I8, 32)
 
         def load(off):
-            v = b.load(b.gep(self.src, [u.i64(off)], source_etype=u.I8), typ=t)
-            v.align = 1
-            return v
+            return _load(b, self.src, off, t)
 
         def store(code, run):
             st = b.store(code, b.gep(self.scratch, [u.i64(64 + 32 * run)], source_etype=u.I8))
@@ -432,12 +430,7 @@ class Narrow:
                 store(code, 4 * n + r)
 
     def _bytes(self, off):
-        """W bytes at src + off as i32 lanes."""
-        b = self.b
-        v = b.load(b.gep(self.src, [u.i64(off)], source_etype=u.I8),
-                   typ=ir.VectorType(u.I8, self.W))
-        v.align = 1
-        return b.zext(v, ir.VectorType(u.I32, self.W))
+        return _bytes(self.b, self.src, off, self.W)
 
     def _bcast(self, at):
         b = self.b
@@ -446,12 +439,7 @@ class Narrow:
 
     def _field(self, v, shift, mask):
         """(v >> shift) & mask, shift < 0 a left shift."""
-        b, t = self.b, v.type
-        if shift > 0:
-            v = b.lshr(v, u.const(t, shift))
-        elif shift < 0:
-            v = b.shl(v, u.const(t, -shift))
-        return b.and_(v, u.const(t, mask))
+        return self.b.and_(_codes(self.b, v, shift), u.const(v.type, mask))
 
     def vector(self, v):
         b, W = self.b, self.W

@@ -138,8 +138,8 @@ class Model:
         if compute == "bf16" and widen_frozen:
             raise InvalidArgument("decoder.Model.from_gguf: compute='bf16' holds the frozen "
                                   "matrices as bf16; expected widen_frozen=False with it")
-        native, cpu = host_has_dot()
-        if compute == "bf16" and not native:
+        native, cpu = host_has_dot() if compute == "bf16" else (True, "")
+        if not native:
             warnings.warn(f"decoder.Model.from_gguf: compute='bf16' on a CPU without AVX-512 "
                           f"BF16 ({cpu}) runs vdpbf16ps's exact emulation, ~10x slower "
                           f"than compute='f32' (SmolLM2 LoRA step on Zen 3: 21.1 s against "
