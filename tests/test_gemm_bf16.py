@@ -16,6 +16,7 @@ import fucina as fu
 from conftest import assert_bitwise, assert_cold_equals_warm, feed_grad
 from fucina.codegen import gemm_bf16 as cg
 from fucina.codegen import kernels
+from fucina.exec import elementwise as ew
 from fucina.exec import matmul_bf16 as mb
 from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from fucina.exec.matmul_bf16 import gemm_bf16
@@ -259,7 +260,7 @@ def test_packing_rounds_every_edge_as_the_spec(ctx1, ta):
     got = scratch.to_numpy().view(np.uint32)
     h = f32_to_bf16_bits(A).astype(np.uint32)
     h = np.where(h & 0x7F80, h, h & 0x8000)                    # bf16 denormals -> signed 0
-    MR, kc = cg.mr(), mb._kc(K)
+    MR, kc = cg.mr(), mb._kc(K, NATIVE)
     npan = -(-M // MR)
     want = np.zeros(plan.words, np.uint32)
     for k0 in range(0, K, kc):
@@ -268,8 +269,13 @@ def test_packing_rounds_every_edge_as_the_spec(ctx1, ta):
             for w_ in range(min(MR, M - p * MR)):
                 row = h[p * MR + w_, k0:k0 + 2 * kpl]
                 row = np.pad(row, (0, 2 * kpl - len(row)))
-                base = (k0 // 2) * npan * MR + p * kpl * MR + w_
-                want[base:base + kpl * MR:MR] = row[0::2] | (row[1::2] << 16)
+                if NATIVE:      # one word per pair: the even element in the low half
+                    base = (k0 // 2) * npan * MR + p * kpl * MR + w_
+                    want[base:base + kpl * MR:MR] = row[0::2] | (row[1::2] << 16)
+                else:           # the emulation's f32 slots: odd element, then even, per pair
+                    base = k0 * npan * MR + 2 * p * kpl * MR + w_
+                    want[base:base + 2 * kpl * MR:MR] = \
+                        np.stack([row[1::2], row[0::2]], 1).reshape(-1) << 16
     assert_bitwise(got, want)
     band = np.isin(A.view(np.uint32) & 0x7FFFFFFF, [0x7F8000, 0x7FFFFF, 0x7FC000])
     assert band.sum() > 300
@@ -352,7 +358,7 @@ def test_accumulate_and_rank_add_are_the_separate_passes(M, K, N):
                         assert_bitwise(got.to_numpy(), C0 + plain if acc else plain)
             plan = mb._plans[(a.lay, b.lay, None, True, True)]
             assert plan.ranked == (K <= 2 * mb.K_SLICE)
-            assert bool(plan.partial) == (K <= 2 * mb.K_SLICE and K > mb._kc(K))
+            assert bool(plan.partial) == (K <= 2 * mb.K_SLICE and K > mb._kc(K, NATIVE))
 
 
 def test_accumulate_and_rank_add_errors(ctx1):
@@ -549,22 +555,31 @@ def test_model_compute_errors(ctx1, tiny_path):
         Model.from_gguf(ctx1, tiny_path, compute="bf16", widen_frozen=True)
 
 
-def test_model_compute_bf16_warns_where_it_is_emulated(ctx1, tiny_path):
-    """Without vdpbf16ps (Zen 3, AVX2 CPUs) compute="bf16" runs the exact emulation, ~10x
-    slower than f32: from_gguf says so; with the instruction it is silent."""
-    import warnings
-
-    from fucina.exec.matmul_bf16 import host_has_dot
-    from fucina.llm.decoder import Model
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        Model.from_gguf(ctx1, tiny_path, compute="bf16")
-        Model.from_gguf(ctx1, tiny_path)
-    said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
-    if host_has_dot()[0]:
-        assert not said
-    else:
-        assert len(said) == 1 and "exact emulation, ~10x slower than compute='f32'" in said[0]
+@pytest.mark.parametrize("threads", [1, 2])
+def test_emulation_leaves_the_float_mode_as_it_found_it(threads):
+    """The emulation flushes tiny sums by switching MXCSR to FTZ / DAZ for its k loops: after
+    it (an accumulate into C and a rank term included, whose adds run in the caller's mode),
+    every thread that ran a tile — numpy on this one, the next kernels on the team — makes and
+    reads denormals again."""
+    rng = np.random.default_rng(3)
+    tiny = np.full((64, 64), 2.0 ** -70, np.float32)
+    scale = np.full((64, 64), 2.0 ** -63, np.float32)
+    want = np.full((64, 64), 2.0 ** -133, np.float32)
+    assert want[0, 0] != 0 and (tiny * scale == want).all()
+    An = rng.standard_normal((200, 300)).astype(np.float32)
+    Xn = rng.standard_normal((200, 4)).astype(np.float32)
+    An[:10] = Xn[:10] = 0                     # rows whose product and rank term are zeros
+    with fu.ExecContext(threads=threads) as ctx:
+        A, X = ctx.from_numpy(An), ctx.from_numpy(Xn)
+        B = ctx.from_numpy(rng.standard_normal((300, 90)).astype(np.float32), dtype="bf16")
+        Y = ctx.from_numpy(rng.standard_normal((4, 90)).astype(np.float32))
+        out = ctx.from_numpy(np.full((200, 90), 2.0 ** -140, np.float32))
+        gemm_bf16(ctx, A, B, native=False, out=out, accumulate=True, rank_add=(X, Y, 0.5))
+        # a denormal C plus zeros stays itself (FTZ / DAZ would make it a zero)
+        assert_bitwise(out.to_numpy()[:10], np.full((10, 90), 2.0 ** -140, np.float32))
+        assert_bitwise(tiny * scale, want)
+        c = ew.run(ctx, "mul", "f32", (64, 64), (ctx.from_numpy(tiny), ctx.from_numpy(scale)))
+        assert_bitwise(c.to_numpy(), want)
 
 
 # ---- Muon's Newton–Schulz through the bf16 GEMM (ns_dtype="bf16", bf16 leaves only) ---------

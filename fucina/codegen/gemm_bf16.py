@@ -7,10 +7,11 @@ with any element strides and computes a contiguous f32 c[M, N]. Two families:
   gemm_bf16_pack  copies an operand into panels of `width` rows along its free axis (A: MR rows
                   of a; B: NR columns of b), as bf16 k-pairs: one 32-bit word per (pair, row)
                   holds k = 2p in its low half and k = 2p + 1 in its high half (zero past K).
-                  Layout: P[kb][panel][p - kb*KC/2][w] (words). An f32 value becomes bf16 by the
-                  round-to-nearest-even of Tensor.to("bf16") (SPEC R-9: NaN kept quiet); then
-                  any bf16 denormal becomes a zero of its sign (the instruction reads them as
-                  zeros: flushing them here lets the emulation skip that case).
+                  Layout: P[kb][panel][p - kb*KC/2][w] (words); `wide` (the emulation's):
+                  P[kb][panel][2(p - kb*KC/2) + j][w], j = 0 the odd element, 1 the even, each
+                  an f32. An f32 value becomes bf16 by the round-to-nearest-even of
+                  Tensor.to("bf16") (SPEC R-9: NaN kept quiet); then any bf16 denormal becomes
+                  a zero of its sign (the instruction reads them as zeros).
   gemm_bf16_tile  the f32 GEMM's tile structure (fucina.codegen.gemm): one chunk = one (MC-row,
                   NC-column) tile of C, for each KC block in increasing order, NR panels of B,
                   MR panels of A, MR x NR f32 accumulators; for each k pair in increasing order
@@ -27,12 +28,15 @@ each product exact (a bf16 product fits in 16 bits), each sum rounded once to ne
 then flushed to a zero of its sign when tiny, tininess judged after rounding with an unbounded
 exponent (a sum just below 2^-126 that rounds up to it stays); bf16 denormal inputs and a
 denormal acc read as zeros. That is Intel's pseudo-code; products that are themselves below the
-f32 range still count exactly. The emulation (`native=False`) computes the same bits with FMAs:
-r = fma(a, b, acc) is the rounded sum (no product rounding), a tiny r becomes a signed zero, and
-when |r| is exactly 2^-126 the residual fma(a·2^24, b, (acc - r)·2^24) tells whether the exact
-sum lay in the band just below that FMA's denormal rounding and the instruction's unbounded one
-disagree (a sum below 2^-126 - 2^-151 is tiny). NaN results are NaN in both, their payloads may
-differ.
+f32 range still count exactly. The emulation (`native=False`, hosts without the instruction)
+computes the same bits at the f32 GEMM's rate: both operands are packed `wide`, one f32 slot per
+element (the bf16 widened exactly), each pair's odd element before its even one, and the
+micro-kernel runs plain FMAs (the exact product added, rounded once) with the thread's MXCSR in
+flush-to-zero / denormals-are-zero mode for its k loop. x86 judges tininess after rounding with
+an unbounded exponent, so a tiny sum becomes a zero of its sign exactly where the instruction's
+does, the band just below 2^-126 included; the caller's mode is back before any store adds to
+C. Its k blocks are WIDE_KC long (the same bytes per panel). NaN results are NaN in both, their
+payloads may differ.
 
 Argument blocks are documented at each key.
 """
@@ -49,7 +53,8 @@ from .kernels import KernelKey, register
 from .target import host
 
 KC = 512          # at most this many k per block (even): a KC x NR panel of B is 32 KiB of
-                  # bf16 pairs, in L1 (exec splits K into equal even blocks up to KC)
+                  # bf16 pairs, in L1 (exec splits K into equal even blocks up to KC) ...
+WIDE_KC = 256     # ... and as the emulation's f32 slots, as many bytes at half the k
 NR_VECS = 2       # vectors of f32 accumulators across the micro-tile (NR = NR_VECS * lanes)
 UNROLL = 2        # k pairs per iteration of the micro-kernel's loop
 EDGE_ROWS = (4, 8, 12)   # heights of the last panel's micro-tile (gemm.by_height): 50 rows
@@ -59,13 +64,18 @@ PANEL_PF_LOCALITY = 2   # the next panel of b is prefetched into L2 (prefetcht1)
                         # 1 thread 268 -> 254 ms, 2 threads 216/175 -> 200/165)
 PF_ROWS = 16      # packing along rows far apart (wvec): prefetch this many rows ahead ...
 PF_K = 128        # ... along k-contiguous rows (kvec): this many elements ahead
-TINY = 2.0 ** -126
+FTZ_DAZ = 0x8040  # MXCSR: flush-to-zero (bit 15) and denormals-are-zero (bit 6)
 
 
 def native() -> bool:
     """The host has vdpbf16ps on 512-bit vectors (Zen 4 / Zen 5, Sapphire Rapids)."""
     f = host().features
     return host().vector_bits == 512 and "+avx512bf16" in f
+
+
+def kc_of(native: bool) -> int:
+    """The longest k block of the instruction's layout, or of the emulation's."""
+    return KC if native else WIDE_KC
 
 
 def mr() -> int:
@@ -183,6 +193,7 @@ class GemmBf16PackKey(KernelKey):
     dtype: str    # source dtype: f32 | bf16
     width: int
     mode: str     # wvec | kvec | any
+    wide: bool = False   # the emulation's layout: two f32 slots per pair (_put)
 
     def ir(self, symbol: str) -> str:
         return str(_build_pack(self, symbol))
@@ -205,8 +216,9 @@ def _build_pack(key: GemmBf16PackKey, symbol: str) -> ir.Module:
         k0 = b.mul(kb, KC)
         kcl = u.smin(b, KC, b.sub(K, k0))
         kpl = b.sdiv(b.add(kcl, one), u.i64(2))             # pairs in this block
-        blk = b.mul(b.sdiv(k0, u.i64(2)), ppad)            # words before this block
-        pstride = b.mul(kpl, u.i64(Wp))
+        F = 2 if key.wide else 1                           # words per (pair, row)
+        blk = b.mul(b.mul(b.sdiv(k0, u.i64(2)), ppad), u.i64(F))   # words before this block
+        pstride = b.mul(kpl, u.i64(F * Wp))
         sk0 = b.mul(k0, s_k)
         with u.Loop(b, p0, p1, 1, "p") as p:
             w0 = b.mul(p, u.i64(Wp))
@@ -214,17 +226,39 @@ def _build_pack(key: GemmBf16PackKey, symbol: str) -> ir.Module:
             panel = b.add(blk, b.mul(p, pstride))
             sbase = b.add(sk0, b.mul(w0, s_w))
             if key.mode == "wvec":
-                _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W)
+                _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W, key.wide)
             elif key.mode == "kvec":
-                _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W)
+                _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W, key.wide)
             else:
-                _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt)
+                _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt,
+                          key.wide)
     b.ret_void()
     return mod
 
 
-def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W):
+def _put(b, dst, at, word, Wp, wide, mask=None):
+    """Pair word(s) (i32 or <W x i32>) to word `at` of a panel — as they are, or `wide`: as two
+    f32 slots Wp words apart, the odd element first (the order the instruction adds them),
+    each a bf16 widened exactly (its bits in the high half)."""
+    if wide:
+        t = word.type
+        parts = ((at, b.and_(word, u.const(t, -65536))),
+                 (b.add(at, u.i64(Wp)), b.shl(word, u.const(t, 16))))
+    else:
+        parts = ((at, word),)
+    for i, w in parts:
+        p = b.gep(dst, [i], source_etype=u.I32)
+        if mask is None:
+            s = b.store(w, p)
+            s.align = 4
+        else:
+            u.intrinsic(b, "llvm.masked.store", u.VOID, [w, p, ir.Constant(u.I32, 4), mask],
+                        types=[w.type, u.PTR])
+
+
+def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W, wide):
     nvec = -(-Wp // W)
+    F = 2 if wide else 1
     with u.Loop(b, u.i64(0), kpl, 1, "kp") as kp:
         k = b.mul(kp, u.i64(2))
         row0 = b.add(sbase, b.mul(k, s_k))
@@ -242,23 +276,17 @@ def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W):
             m1 = b.select(has1, m, zero_mask(W))
             hi = load_bits(b, src, b.select(has1, b.add(row1, u.i64(v * W)), row0), dt, W, m1)
             sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
-            word = _pair(b, lo, hi)
-            p = b.gep(dst, [b.add(b.add(panel, b.mul(kp, u.i64(Wp))), u.i64(v * W))],
-                      source_etype=u.I32)
-            if sm is None:
-                s = b.store(word, p)
-                s.align = 4
-            else:
-                u.intrinsic(b, "llvm.masked.store", u.VOID, [word, p, ir.Constant(u.I32, 4), sm],
-                            types=[word.type, u.PTR])
+            at = b.add(b.add(panel, b.mul(kp, u.i64(F * Wp))), u.i64(v * W))
+            _put(b, dst, at, _pair(b, lo, hi), Wp, wide, sm)
 
 
-def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
+def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W, wide):
     """Unit stride along k: for each group of W rows, 2W consecutive k of every row (W pairs)
     are loaded and transposed, so each vector holds one pair of W rows. A group of 2W k of
     all Wp rows (every one but a panel's last or a block's last) takes unmasked loads and
     unconditional stores."""
     nvec = -(-Wp // W)
+    F = 2 if wide else 1
     iv = _iv(W)
     zero2 = ir.Constant(ir.VectorType(u.I1, 2 * W), [ir.Constant(u.I1, 0)] * (2 * W))
     for g in range(nvec):
@@ -284,15 +312,9 @@ def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
             kp0 = b.sdiv(kt, u.i64(2))
             for j in range(W):
                 def put():
-                    p = b.gep(dst, [b.add(panel, b.add(b.mul(b.add(kp0, u.i64(j)), u.i64(Wp)),
-                                                       u.i64(g * W)))], source_etype=u.I32)
-                    if sm is None:
-                        s = b.store(cols[j], p)
-                        s.align = 4
-                    else:
-                        u.intrinsic(b, "llvm.masked.store", u.VOID,
-                                    [cols[j], p, ir.Constant(u.I32, 4), sm],
-                                    types=[iv, u.PTR])
+                    at = b.add(panel, b.add(b.mul(b.add(kp0, u.i64(j)), u.i64(F * Wp)),
+                                            u.i64(g * W)))
+                    _put(b, dst, at, cols[j], Wp, wide, sm)
                 if full:
                     put()
                 else:
@@ -310,7 +332,7 @@ def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W):
                     group(kt, kn, False)
 
 
-def _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt):
+def _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt, wide):
     with u.Loop(b, u.i64(0), kpl, 1, "kp") as kp:
         k = b.mul(kp, u.i64(2))
         with u.Loop(b, u.i64(0), u.i64(Wp), 1, "w") as w:
@@ -324,8 +346,8 @@ def _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt):
                 with b.if_then(b.icmp_signed("<", b.add(k, u.i64(1)), kcl)):
                     b.store(_load_bit(b, src, b.add(at, s_k), dt), hslot)
                 b.store(_pair(b, lo, b.load(hslot)), slot)
-            b.store(b.load(slot), b.gep(dst, [b.add(panel, b.add(b.mul(kp, u.i64(Wp)), w))],
-                                        source_etype=u.I32))
+            _put(b, dst, b.add(panel, b.add(b.mul(kp, u.i64((2 if wide else 1) * Wp)), w)),
+                 b.load(slot), Wp, wide)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,40 +420,24 @@ def _dp_native(b, W):
     return dp
 
 
-def _halves(b, w, W):
-    """A vector of bf16 pair words -> (even elements, odd elements) as f32 (exact)."""
-    iv = _iv(W)
-    even = b.bitcast(b.shl(w, u.const(iv, 16)), _fv(W))
-    odd = b.bitcast(b.and_(w, u.const(iv, -65536)), _fv(W))
-    return even, odd
+def _flush_mode(b):
+    """(on, off): calls that switch this thread's MXCSR to flush tiny results to zero and read
+    denormal inputs as zero (FTZ | DAZ; x86 judges tininess after rounding, with an unbounded
+    exponent: the instruction's flush), and back to the caller's mode. The state is read once
+    at the kernel's entry."""
+    slots = []
+    for name in ("old", "ftz"):
+        slot = u.entry_alloca(b, u.I32, name)
+        slots.append(slot)
+    old, ftz = slots
 
-
-def _add_product(b, acc, x, y, W):
-    """The instruction's one step, acc + x·y rounded once, tiny results flushed (see the module
-    docstring for the band at 2^-126)."""
-    fv, iv = _fv(W), _iv(W)
-    r = u.intrinsic(b, "llvm.fma", fv, [x, y, acc])
-    rb = b.bitcast(r, iv)
-    mag = b.and_(rb, u.const(iv, 0x7FFFFFFF))
-    sign = b.and_(rb, u.const(iv, -0x80000000))
-    tiny_bits = 0x00800000                                      # 2^-126
-    below = b.icmp_unsigned("<", mag, u.const(iv, tiny_bits))
-    at_edge = b.icmp_unsigned("==", mag, u.const(iv, tiny_bits))
-    scale = u.const(fv, 2.0 ** 24)
-    e = u.intrinsic(b, "llvm.fma", fv, [b.fmul(x, scale), y, b.fmul(b.fsub(acc, r), scale)])
-    # sign(r)·e < -2^-127: the exact sum lay more than 2^-151 below |r| = 2^-126
-    e_toward = b.bitcast(b.xor(b.bitcast(e, iv), sign), fv)
-    band = b.and_(at_edge, b.fcmp_ordered("<", e_toward, u.const(fv, -(2.0 ** -127))))
-    flush = b.or_(below, band)
-    return b.bitcast(b.select(flush, sign, rb), fv)
-
-
-def _dp_emulated(b, W):
-    def dp(acc, a, bv):
-        a0, a1 = _halves(b, a, W)
-        b0, b1 = _halves(b, bv, W)
-        return _add_product(b, _add_product(b, acc, a1, b1, W), a0, b0, W)
-    return dp
+    def fn(name):
+        return b.module.globals.get(name) or ir.Function(
+            b.module, ir.FunctionType(u.VOID, [u.PTR]), name=name)
+    b.call(fn("llvm.x86.sse.stmxcsr"), [old])
+    b.store(b.or_(b.load(old), u.const(u.I32, FTZ_DAZ)), ftz)
+    ld = fn("llvm.x86.sse.ldmxcsr")
+    return (lambda: b.call(ld, [ftz])), (lambda: b.call(ld, [old]))
 
 
 def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
@@ -449,8 +455,13 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
     part = u.arg_ptr(b, args, 15) if key.accumulate else C
     rk = rank_block(b, args, 16 if key.accumulate else 15) if key.ranked else None
     last_row = b.sub(M, u.i64(1))
-    dp = _dp_native(b, W) if key.native else _dp_emulated(b, W)
-    bp = u.entry_alloca(b, ir.ArrayType(u.I32, KC // 2 * NRc))
+    wide = not key.native
+    F = 2 if wide else 1                    # words per (pair, column): _put
+    if wide:
+        flush_on, flush_off = _flush_mode(b)
+    else:
+        dp = _dp_native(b, W)
+    bp = u.entry_alloca(b, ir.ArrayType(u.I32, kc_of(key.native) // 2 * F * NRc))
     bp.align = 64
     bp.type = u.PTR
     accs = [[u.entry_alloca(b, fv, f"acc{r}_{v}") for v in range(V)] for r in range(R)]
@@ -470,7 +481,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
             first = b.and_(b.icmp_signed("==", k0, u.i64(0)), b.not_(cont))
             last = b.icmp_signed(">=", b.add(k0, kcl), K)
             kp0 = b.sdiv(k0, two)
-            ablk = b.mul(kp0, Mp)
+            ablk = b.mul(b.mul(kp0, Mp), u.i64(F))
             with u.Loop(b, col0, col1, NRc, "j0") as j0:
                 nvalid = b.sub(N, j0)
                 # this KC x NR panel of b, packed into the stack buffer
@@ -478,13 +489,13 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                 wvalid = u.smin(b, u.i64(NRc), nvalid)
                 if key.b_mode == "wvec":
                     _pack_wvec(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bk, NRc,
-                               key.b_dtype, W)
+                               key.b_dtype, W, wide)
                 elif key.b_mode == "kvec":
                     _pack_kvec(b, Bsrc, bp, sbase, u.i64(0), kcl, wvalid, s_bn, NRc,
-                               key.b_dtype, W)
+                               key.b_dtype, W, wide)
                 else:
                     _pack_any(b, Bsrc, bp, sbase, u.i64(0), kpl, kcl, wvalid, s_bn, s_bk, NRc,
-                              key.b_dtype)
+                              key.b_dtype, wide)
                 cmask = [mask_upto(b, b.sub(nvalid, u.i64(v * W)), W) for v in range(V)]
                 pf = None
                 if key.b_mode in ("wvec", "kvec"):
@@ -510,7 +521,8 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                         with u.Loop(b, l0, u.smin(b, b.add(l0, per), total), 1, "pf") as ln:
                             prefetch_line(ln)
                     mvalid = b.sub(M, i0)
-                    ap = b.gep(Ap, [b.add(ablk, b.mul(i0, kpl))], source_etype=u.I32)
+                    ap = b.gep(Ap, [b.add(ablk, b.mul(b.mul(i0, kpl), u.i64(F)))],
+                               source_etype=u.I32)
                     coff = b.add(b.mul(i0, N), j0)
                     if key.pf_c:
                         prefetch_next_tile(b, C, next_tile_offset(b, i0, j0, row0, row1, N, R,
@@ -535,20 +547,27 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
                                                        masks[r][v]), accs[r][v])
 
                         def step(kk):
+                            """One k pair's word (native), one element's f32 slot (wide)."""
                             bv = []
                             for v in range(V):
                                 x = b.load(b.gep(bp, [b.add(b.mul(kk, u.i64(NRc)), u.i64(v * W))],
-                                                 source_etype=u.I32), typ=iv)
+                                                 source_etype=u.I32), typ=fv if wide else iv)
                                 x.align = 4
                                 bv.append(x)
                             for r in range(Rk):
                                 a = b.load(b.gep(ap, [b.add(b.mul(kk, u.i64(R)), u.i64(r))],
-                                                 source_etype=u.I32), typ=u.I32)
+                                                 source_etype=u.I32), typ=u.F32 if wide else u.I32)
                                 av = u.splat(b, a, W)
                                 for v in range(V):
-                                    b.store(dp(b.load(accs[r][v]), av, bv[v]), accs[r][v])
+                                    acc = b.load(accs[r][v])
+                                    b.store(u.intrinsic(b, "llvm.fma", fv, [av, bv[v], acc])
+                                            if wide else dp(acc, av, bv[v]), accs[r][v])
 
-                        u.unrolled(b, u.i64(0), kpl, U, step)
+                        if wide:
+                            flush_on()
+                        u.unrolled(b, u.i64(0), b.mul(kpl, u.i64(F)), F * U, step)
+                        if wide:
+                            flush_off()
 
                         def store(ptr, add=False):
                             for r in range(Rk):

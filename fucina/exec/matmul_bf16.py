@@ -59,8 +59,9 @@ def _check(a, b):
 
 
 def host_has_dot() -> tuple[bool, str]:
-    """(this CPU has vdpbf16ps, its LLVM name): without it every bf16 product runs the
-    instruction's exact emulation, an order of magnitude slower than the f32 GEMM."""
+    """(this CPU has vdpbf16ps, its LLVM name): without it the bf16 products run the
+    instruction's exact emulation, at the f32 GEMM's rate (the memory of bf16 operands, no
+    speed-up over f32)."""
     from ..codegen.target import host
 
     return g.native(), host().cpu
@@ -138,18 +139,20 @@ def _mode(rows, K, s_w, s_k):
     return "kvec" if s_k == 1 or K == 1 else "any"
 
 
-def _kc(K):
-    """K in equal even blocks of at most g.KC (a short last block would cost its own pass)."""
-    c = -(-K // -(-K // g.KC))
+def _kc(K, native):
+    """K in equal even blocks of at most the layout's KC (a short last block would cost its
+    own pass)."""
+    c = -(-K // -(-K // g.kc_of(native)))
     return c + c % 2
 
 
-def _pack(dtype, width, rows, K, s_w, s_k, kc):
-    """One gemm_bf16_pack launch: (addr, chunks, cost, tail), words written."""
+def _pack(dtype, width, rows, K, s_w, s_k, kc, native):
+    """One gemm_bf16_pack launch: (addr, chunks, cost, tail), words written (the emulation's
+    layout holds two per pair)."""
     npan = -(-rows // width)
     per, groups = pack_groups(npan, width * min(K, kc), -(-K // kc))
-    addr = kernels.get(g.GemmBf16PackKey(dtype, width, _mode(rows, K, s_w, s_k)))
-    words = npan * width * (-(-K // 2))
+    addr = kernels.get(g.GemmBf16PackKey(dtype, width, _mode(rows, K, s_w, s_k), not native))
+    words = npan * width * (-(-K // 2)) * (1 if native else 2)
     return (addr, -(-K // kc) * groups, npan * width * K * 4,
             (rows, K, s_w, s_k, kc, npan, per, groups)), words
 
@@ -164,7 +167,7 @@ def _make_plan(a, b, native: bool, accumulate: bool = False, ranked: bool = Fals
     # continuing the sums the previous one left in C: the bits of one pass, and the slice of
     # A stays in cache across the N blocks instead of streaming from memory once per N block
     KS = K if K <= 2 * K_SLICE else K_SLICE
-    kc = _kc(KS)
+    kc = _kc(KS, native)
     fused = KS == K      # one slice: the tile kernel adds to C and the rank term itself
     plan.ranked = ranked and fused
     plan.partial = M * N if fused and accumulate and K > kc else 0
@@ -180,7 +183,7 @@ def _make_plan(a, b, native: bool, accumulate: bool = False, ranked: bool = Fals
     plan.words = 0
     for k0 in range(0, K, KS):
         ks = min(KS, K - k0)
-        pack, words = _pack("f32", MR, M, ks, a.strides[0], a.strides[1], kc)
+        pack, words = _pack("f32", MR, M, ks, a.strides[0], a.strides[1], kc, native)
         plan.words = max(plan.words, words)
         plan.slices.append((k0, pack, (addr, nmb * nnb, M * N * ks,
                                        (M, N, ks, kc, MC, NC, nmb, nnb, int(N > M), s_bk, s_bn,

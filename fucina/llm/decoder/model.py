@@ -40,7 +40,6 @@ bases (`rope_table` then returns a Ropes pair) and soft-caps the logits when the
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +49,6 @@ from ...ag.rope import RopeTable
 from ...ag.engine import needs_graph
 from ...ag.tensor import Tensor
 from ...errors import IndexOutOfBounds, InvalidArgument, InvalidSequenceLength, ShapeMismatch
-from ...exec.matmul_bf16 import host_has_dot
 from ...exec.quant import BLOCKS
 from .config import Config, UnsupportedModel
 
@@ -138,13 +136,6 @@ class Model:
         if compute == "bf16" and widen_frozen:
             raise InvalidArgument("decoder.Model.from_gguf: compute='bf16' holds the frozen "
                                   "matrices as bf16; expected widen_frozen=False with it")
-        native, cpu = host_has_dot() if compute == "bf16" else (True, "")
-        if not native:
-            warnings.warn(f"decoder.Model.from_gguf: compute='bf16' on a CPU without AVX-512 "
-                          f"BF16 ({cpu}) runs vdpbf16ps's exact emulation, ~10x slower "
-                          f"than compute='f32' (SmolLM2 LoRA step on Zen 3: 21.1 s against "
-                          f"1.93 s); it still halves the frozen matrices' memory",
-                          RuntimeWarning, stacklevel=2)
         cfg = Config.from_gguf(gguf_file)
         load = _Loader(ctx, gguf_file, cfg, widen_frozen, compute)
         embd = load.matrix("token_embd.weight", ("vocab", "embed"), (cfg.vocab, cfg.hidden))
