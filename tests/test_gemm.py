@@ -871,14 +871,16 @@ def test_edge_rows_have_their_micro_tiles():
 
 @pytest.mark.parametrize("mode", ["kvec", "wvec"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_pack_writes_its_panels_and_nothing_past_them(mode, threads):
+@pytest.mark.parametrize("k_tail", [37, 0], ids=["k-tail", "whole-blocks"])
+def test_pack_writes_its_panels_and_nothing_past_them(mode, threads, k_tail):
     """gemm_pack's A panels, MR rows each, in gemm_pack's layout P[kb][panel][k][w] (zeros
     past M): element for element, and not a float past the packed size — AVX2's 6-row rows
     are narrower than a vector and store whole vectors into the next row's start (row_spill),
-    all but each panel's last row."""
+    all but each panel's last row (whole panels and KC blocks: the last panel's last k ends
+    a group of whole vectors, the unmasked path's)."""
     from fucina.codegen import gemm as g
     MR, KC = g.mr(), g.KC
-    M, K = 5 * MR + 3, KC + 37
+    M, K = (5 * MR + 3, KC + k_tail) if k_tail else (5 * MR, 2 * KC)
     A = _data(np.random.default_rng(M), M, K)
     with fu.ExecContext(threads=threads) as ctx:
         src = ctx.from_numpy(A if mode == "kvec" else np.ascontiguousarray(A.T))

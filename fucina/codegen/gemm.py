@@ -321,31 +321,39 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
     nvec = -(-Wp // W)
     for g in range(nvec):
         width_g = min(W, Wp - g * W)
+        spill = width_g < W and not host().mask_registers
         mask_of = ((lambda k: None) if width_g == W else
                    row_spill(b, u.tail_mask(b, u.i64(width_g), W), kcl, W))
-        with u.Loop(b, u.i64(0), kcl, W, f"kt{g}") as kt:
-            kn = u.smin(b, u.i64(W), b.sub(kcl, kt))
-            kmask = u.tail_mask(b, kn, W)
+
+        def group(kt, kn, plain):
+            """W k of the group's rows; plain: all rows valid, W k, none of them the block's
+            last where a row's store would spill (unmasked loads and stores: AVX2 has no
+            cheap masked ones)."""
+            kmask = None if plain else u.tail_mask(b, kn, W)
             vecs = []
             for t in range(W):
                 w = g * W + t
                 if w >= Wp:
                     vecs.append(u.const(_vt(W), 0.0))
                     continue
-                m = b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask, zero_mask(W))
+                m = None if plain else b.select(b.icmp_signed("<", u.i64(w), wvalid), kmask,
+                                                zero_mask(W))
                 row = b.add(b.mul(u.i64(w), s_w), kt)
                 if pf is not False:
                     u.prefetch(b, iptr, b.add(row, u.i64(PF_K) if pf is None else pf), dt)
                 vecs.append(u.load(b, iptr, row, dt, W, m))
             cols = transpose(b, vecs)
-            full = b.icmp_signed("==", kn, u.i64(W))
 
             def put(j):
                 k = b.add(kt, u.i64(j))
                 u.store(b, cols[j], optr, b.add(b.mul(k, u.i64(Wp)), u.i64(g * W)), "f32",
-                        mask_of(k))
+                        None if plain and (spill or width_g == W) else mask_of(k))
 
-            with b.if_else(full) as (then, other):
+            if plain:
+                for j in range(W):
+                    put(j)
+                return
+            with b.if_else(b.icmp_signed("==", kn, u.i64(W))) as (then, other):
                 with then:
                     for j in range(W):
                         put(j)
@@ -353,6 +361,18 @@ def _pack_kvec(b, iptr, optr, kcl, wvalid, s_w, Wp, dt, W, pf=None):
                     for j in range(W):
                         with b.if_then(b.icmp_signed("<", u.i64(j), kn)):
                             put(j)
+
+        rows_ok = b.icmp_signed(">=", wvalid, u.i64(g * W + width_g))
+        with u.Loop(b, u.i64(0), kcl, W, f"kt{g}") as kt:
+            kn = u.smin(b, u.i64(W), b.sub(kcl, kt))
+            # a spilling store must not be the block's last k: its extra lanes would land on
+            # the next panel (another chunk's, or past the buffer)
+            room = b.icmp_signed("<" if spill else "<=", b.add(kt, u.i64(W)), kcl)
+            with b.if_else(b.and_(rows_ok, room)) as (fast, slow):
+                with fast:
+                    group(kt, kn, True)
+                with slow:
+                    group(kt, kn, False)
 
 
 def _pack_any(b, iptr, optr, kcl, wvalid, s_w, s_k, Wp, dt):
