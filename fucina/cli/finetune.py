@@ -48,8 +48,9 @@ The frozen weights: f32 copies by default (plain f32 GEMMs), `--no-widen-frozen`
 stored (quantized GEMMs), `--compute bf16` holds them as bf16 (half the memory of f32) and runs
 every frozen projection and the tied head, forward and the backward to the activations, through
 the bf16 GEMM (Model.from_gguf(compute="bf16"): the activation or its gradient rounded to bf16,
-f32 sums through AVX-512 BF16's dot instruction where the CPU has it). Adapters, norms,
-attention, softmax, the loss and AdamW stay f32.
+f32 sums through AVX-512 BF16's dot instruction where the CPU has it, elsewhere its exact
+emulation at the speed of the f32 GEMM). Adapters, norms, attention, softmax, the loss and AdamW
+stay f32.
 
 Output: a greedy BEFORE/AFTER answer to the first example's prompt (25 new tokens at most)
 through the serving API, `fu.llm.LM.chat` over the session's model with the adapters applied on
