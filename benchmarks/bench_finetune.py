@@ -275,8 +275,7 @@ def bf16_rows(path, label, threads, quick, seqs) -> list[dict]:
             if not native:
                 note += ("; this host has no AVX-512 BF16: the bf16 GEMMs run vdpbf16ps's exact "
                          "emulation (the same bits through f32 FMAs, at the f32 GEMM's rate), so "
-                         "the target, which asks the instruction, "
-                         "does not apply")
+                         "the target, which asks the instruction, does not apply")
             out.append(row(GROUP, f"bf16 compute: LoRA r8 on {tname}, seq {seq}: loss + backward "
                                   f"+ clip + AdamW vs our f32 step", threads, b_s, f_s,
                            target="≥ 1.5× our f32 step" if native else "",

@@ -425,11 +425,7 @@ def _flush_mode(b):
     denormal inputs as zero (FTZ | DAZ; x86 judges tininess after rounding, with an unbounded
     exponent: the instruction's flush), and back to the caller's mode. The state is read once
     at the kernel's entry."""
-    slots = []
-    for name in ("old", "ftz"):
-        slot = u.entry_alloca(b, u.I32, name)
-        slots.append(slot)
-    old, ftz = slots
+    old, ftz = (u.entry_alloca(b, u.I32, name) for name in ("old", "ftz"))
 
     def fn(name):
         return b.module.globals.get(name) or ir.Function(
