@@ -562,9 +562,9 @@ def test_emulation_leaves_the_float_mode_as_it_found_it(threads):
     every thread that ran a tile — numpy on this one, the next kernels on the team — makes and
     reads denormals again."""
     rng = np.random.default_rng(3)
-    tiny = np.full((64, 64), 2.0 ** -70, np.float32)
-    scale = np.full((64, 64), 2.0 ** -63, np.float32)
-    want = np.full((64, 64), 2.0 ** -133, np.float32)
+    tiny = np.full((1024, 1024), 2.0 ** -70, np.float32)     # split over the team's threads
+    scale = np.full((1024, 1024), 2.0 ** -63, np.float32)
+    want = np.full((1024, 1024), 2.0 ** -133, np.float32)
     assert want[0, 0] != 0 and (tiny * scale == want).all()
     An = rng.standard_normal((200, 300)).astype(np.float32)
     Xn = rng.standard_normal((200, 4)).astype(np.float32)
@@ -578,7 +578,7 @@ def test_emulation_leaves_the_float_mode_as_it_found_it(threads):
         # a denormal C plus zeros stays itself (FTZ / DAZ would make it a zero)
         assert_bitwise(out.to_numpy()[:10], np.full((10, 90), 2.0 ** -140, np.float32))
         assert_bitwise(tiny * scale, want)
-        c = ew.run(ctx, "mul", "f32", (64, 64), (ctx.from_numpy(tiny), ctx.from_numpy(scale)))
+        c = ew.run(ctx, "mul", "f32", tiny.shape, (ctx.from_numpy(tiny), ctx.from_numpy(scale)))
         assert_bitwise(c.to_numpy(), want)
 
 
