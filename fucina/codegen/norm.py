@@ -643,22 +643,20 @@ class _GroupNorm:
         inv = b.fdiv(u.const(F64, 1.0), sqrt(b, b.fadd(var, self.f64(self.eps))))
         hi = self.f32(mean)
         lo = b.fsub(mean, self.f64(hi))
-        W = self.W
-        inv_v, lo_v = u.splat(b, inv, W), u.splat(b, lo, W)
         xoff = self.f32(b.fneg(b.fmul(lo, inv)))
-        rows = [(r, u.splat(b, v, W)) for r, v in ((MEAN_HI, hi), (MEAN_LO, self.f32(lo)),
-                                                   (INV, self.f32(inv)), (XOFF, xoff))]
-
-        def per_channel(c, m):
-            scale = inv_v
+        rows = ((MEAN_HI, hi), (MEAN_LO, self.f32(lo)), (INV, self.f32(inv)), (XOFF, xoff))
+        # the group's channels one at a time, as grad_combine's: a group is a few channels,
+        # and their masked vector tail cost AVX2 a vmaskmovps per table row (Zen 3, 32 groups
+        # of 2 channels, 8 items: the combine 12.8 -> 5.7 µs)
+        with u.Loop(b, c0, c1, 1, "c") as c:
+            scale = inv
             if self.key.weight:
-                scale = b.fmul(inv_v, self.f64(self.load_x(self.w, c, m)))
-            shift = b.fneg(b.fmul(lo_v, scale))
+                scale = b.fmul(inv, self.f64(u.load(b, self.w, c, "f32")))
+            shift = b.fneg(b.fmul(lo, scale))
             if self.key.bias:
-                shift = b.fadd(self.f64(self.load_x(self.bias, c, m)), shift)
-            for row, v in rows + [(SCALE, self.f32(scale)), (SHIFT, self.f32(shift))]:
-                u.store(b, v, self.row_ptr(self.table, row), c, "f32", m)
-        map_pass(b, c0, c1, W, per_channel)
+                shift = b.fadd(self.f64(u.load(b, self.bias, c, "f32")), shift)
+            for row, v in rows + ((SCALE, self.f32(scale)), (SHIFT, self.f32(shift))):
+                u.store(b, v, self.row_ptr(self.table, row), c, "f32")
 
     def apply(self, q, t0, t1):
         b, t = self.b, self.table
