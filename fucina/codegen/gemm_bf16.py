@@ -78,6 +78,12 @@ def kc_of(native: bool) -> int:
     return KC if native else WIDE_KC
 
 
+def pair_words(wide: bool) -> int:
+    """Words a k pair of one panel row takes: the bf16 pair, or the emulation's two f32
+    slots (_put)."""
+    return 2 if wide else 1
+
+
 def mr() -> int:
     """MR x NR_VECS accumulators + NR_VECS B vectors + a broadcast in 32 zmm (14 x 2 + 3)."""
     return 14 if host().vector_bits >= 512 else 6
@@ -216,7 +222,7 @@ def _build_pack(key: GemmBf16PackKey, symbol: str) -> ir.Module:
         k0 = b.mul(kb, KC)
         kcl = u.smin(b, KC, b.sub(K, k0))
         kpl = b.sdiv(b.add(kcl, one), u.i64(2))             # pairs in this block
-        F = 2 if key.wide else 1                           # words per (pair, row)
+        F = pair_words(key.wide)
         blk = b.mul(b.mul(b.sdiv(k0, u.i64(2)), ppad), u.i64(F))   # words before this block
         pstride = b.mul(kpl, u.i64(F * Wp))
         sk0 = b.mul(k0, s_k)
@@ -258,7 +264,7 @@ def _put(b, dst, at, word, Wp, wide, mask=None):
 
 def _pack_wvec(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_k, Wp, dt, W, wide):
     nvec = -(-Wp // W)
-    F = 2 if wide else 1
+    F = pair_words(wide)
     with u.Loop(b, u.i64(0), kpl, 1, "kp") as kp:
         k = b.mul(kp, u.i64(2))
         row0 = b.add(sbase, b.mul(k, s_k))
@@ -286,7 +292,7 @@ def _pack_kvec(b, src, dst, sbase, panel, kcl, wvalid, s_w, Wp, dt, W, wide):
     all Wp rows (every one but a panel's last or a block's last) takes unmasked loads and
     unconditional stores."""
     nvec = -(-Wp // W)
-    F = 2 if wide else 1
+    F = pair_words(wide)
     iv = _iv(W)
     zero2 = ir.Constant(ir.VectorType(u.I1, 2 * W), [ir.Constant(u.I1, 0)] * (2 * W))
     for g in range(nvec):
@@ -346,7 +352,7 @@ def _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt, wid
                 with b.if_then(b.icmp_signed("<", b.add(k, u.i64(1)), kcl)):
                     b.store(_load_bit(b, src, b.add(at, s_k), dt), hslot)
                 b.store(_pair(b, lo, b.load(hslot)), slot)
-            _put(b, dst, b.add(panel, b.add(b.mul(kp, u.i64((2 if wide else 1) * Wp)), w)),
+            _put(b, dst, b.add(panel, b.add(b.mul(kp, u.i64(pair_words(wide) * Wp)), w)),
                  b.load(slot), Wp, wide)
 
 
@@ -452,7 +458,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
     rk = rank_block(b, args, 16 if key.accumulate else 15) if key.ranked else None
     last_row = b.sub(M, u.i64(1))
     wide = not key.native
-    F = 2 if wide else 1                    # words per (pair, column): _put
+    F = pair_words(wide)
     if wide:
         flush_on, flush_off = _flush_mode(b)
     else:

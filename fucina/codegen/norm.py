@@ -517,7 +517,7 @@ class _GroupNorm:
         channel constants rows(c, mask)), stored at partials [0|1, q, c]. exact: value gives
         f64 vectors [d, d], summed as Σ d and Σ d² (a fused multiply-add each); else value
         gives f32 vectors, four steps summed in f32 in order, then added in f64.
-        tc walks the rows for panels of PANEL[exact] channel vectors, then for the channels
+        tc walks the rows for panels of PANEL[regs][exact] channel vectors, then for the channels
         left one vector at a time; exact sums run over the rows in order in a panel, into four
         accumulators by row mod 4 for a single vector. ct walks each channel's row segment."""
         b, W = self.b, self.W

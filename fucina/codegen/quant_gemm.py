@@ -534,8 +534,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                    or narrow and RM * bs // W <= X_REGS))
     sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
             _buffer(b, CN * (SEG_GROUPS * 8 + SEGMENT * 2)) if inter else None)
-    kregs = key.table and (key.fmt in kq.FORMATS and kq.available()
-                           or W < 16 and key.fmt in kq.NARROW)
+    kregs = key.table and key.fmt in kq.FORMATS and (kq.available() or W < 16)
     kbufs = [_buffer(b, kq.SCRATCH) for _ in range(CN)] if kregs else None
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]

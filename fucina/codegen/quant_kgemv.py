@@ -150,13 +150,15 @@ class _Decoder:
         st.align = 4
 
     def _bcast(self, at, lanes=1):
-        """floats at .. at + lanes − 1 of the buffer, repeated over 16 lanes."""
-        b = self.b
+        """floats at .. at + lanes − 1 of the buffer, repeated over the W lanes."""
+        b, W = self.b, self.W
         v = b.load(b.gep(self.scratch, [u.i64(at)], source_etype=u.F32),
                    typ=ir.VectorType(u.F32, lanes))
         v.align = 4
-        return b.shuffle_vector(v, v, ir.Constant(I16V, [k % lanes for k in range(16)]))
+        return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(u.I32, W),
+                                                  [k % lanes for k in range(W)]))
 
+    W = 16           # lanes of a decoded vector
     vectors = 16     # a block's vectors; vector(v) emits vector v (weights 16v .. 16v + 15)
 
 
@@ -183,6 +185,26 @@ def _scales_mins_k4(b, src):
     return b.fmul(scale, b.sitofp(b.or_(low, top), F16V))
 
 
+def _group_scales(b, src, fmt):
+    """(scales, mins) of a K-quant block for its decoders: q2_k / q3_k / q6_k's 16 group
+    scales dl = d·float(sc) (q2_k: sc the low nibble, its mins ml = dmin·float(sc >> 4) as
+    well, else None); q4_k / q5_k's 8 scales and 8 negated mins in one vector
+    (_scales_mins_k4), mins None."""
+    if fmt in ("q4_k", "q5_k"):
+        return _scales_mins_k4(b, src), None
+    if fmt == "q2_k":
+        d, dmin = _half(b, src, 80), _half(b, src, 82)
+        sc = _bytes(b, src, 0, 16)     # the 16 groups' scale (low nibble) and min (high)
+        dls = b.fmul(u.splat(b, d, 16), b.sitofp(b.and_(sc, u.const(I16V, 15)), F16V))
+        mls = b.fmul(u.splat(b, dmin, 16), b.sitofp(b.lshr(sc, u.const(I16V, 4)), F16V))
+        return dls, mls
+    if fmt == "q3_k":
+        d = _half(b, src, 108)
+        return b.fmul(u.splat(b, d, 16), b.sitofp(_q3_scales(b, src), F16V)), None
+    sc = _sbytes(b, src, 192, 16)
+    return b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V)), None
+
+
 class Q4K(_Decoder):
     """q4_k: weight = float(q)·(d·sc) − dmin·m through a table per 32-value sub-block; the
     128 quant bytes as two transposed 64-byte halves (sub-blocks 0-3, 4-7)."""
@@ -191,7 +213,7 @@ class Q4K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        self._store(_scales_mins_k4(b, src), 0)
+        self._store(_group_scales(b, src, "q4_k")[0], 0)
         self.q = [None, None]
         self.tables = {}
 
@@ -264,10 +286,7 @@ class Q2K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        d, dmin = _half(b, src, 80), _half(b, src, 82)
-        sc = _bytes(b, src, 0, 16)     # the 16 groups' scale (low nibble) and min (high)
-        dls = b.fmul(u.splat(b, d, 16), b.sitofp(b.and_(sc, u.const(I16V, 15)), F16V))
-        mls = b.fmul(u.splat(b, dmin, 16), b.sitofp(b.lshr(sc, u.const(I16V, 4)), F16V))
+        dls, mls = _group_scales(b, src, "q2_k")
         self._store(dls, 0)
         self._store(b.fneg(mls), 16)
         self.q = _transposed(b, src, 16)
@@ -293,8 +312,7 @@ class Q3K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        dls = b.fmul(u.splat(b, _half(b, src, 108), 16), b.sitofp(_q3_scales(b, src), F16V))
-        self._store(dls, 0)
+        self._store(_group_scales(b, src, "q3_k")[0], 0)
         self.q = _transposed(b, src, 32)          # byte k = 2h + p: qs[32 + 16k + t]
         # hmask with bytes 2-3 (h = 1) moved down 4 bits: bit j of byte k is hmask bit 4h + j
         hm = b.bitcast(_load_bytes(b, src, 0, 32), ir.VectorType(u.I16, 32))
@@ -335,8 +353,7 @@ class Q6K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        sc = _sbytes(b, src, 192, 16)
-        dls = b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V))
+        dls = _group_scales(b, src, "q6_k")[0]
         self._store(b.fmul(dls, u.const(F16V, 0.25)), 0)
         words = ir.VectorType(u.I16, 32)
         for n in range(2):
@@ -363,7 +380,7 @@ class Q6K(_Decoder):
 DECODERS = {"q2_k": Q2K, "q3_k": Q3K, "q4_k": Q4K, "q5_k": Q5K, "q6_k": Q6K}
 
 
-class Narrow:
+class Narrow(_Decoder):
     """The K-quants on W = 8 lanes (a host without 16-lane permutes: AVX2), each lane the
     block decoder's value: a vector's codes widen to i32 lanes from their bytes (vpmovzxbd)
     and are masked and shifted there (q2_k, q3_k, q4_k), or come whole from codes built 32
@@ -375,28 +392,15 @@ class Narrow:
     matvec."""
 
     def __init__(self, b, fmt, src, scratch, W):
-        self.b, self.fmt, self.src, self.scratch, self.W = b, fmt, src, scratch, W
+        super().__init__(b, src, scratch)
+        self.fmt, self.W = fmt, W
         self.vectors = 256 // W
-        if fmt == "q6_k":
-            sc = _sbytes(b, src, 192, 16)
-            scales = b.fmul(u.splat(b, _half(b, src, 208), 16), b.sitofp(sc, F16V))
+        scales, mins = _group_scales(b, src, fmt)
+        if mins is not None:   # q2_k: the negated mins after the 16 scales
+            self._store(b.fneg(mins), 16)
+        if fmt in ("q5_k", "q6_k"):
             self._byte_codes()
-        elif fmt == "q3_k":
-            scales = b.fmul(u.splat(b, _half(b, src, 108), 16), b.sitofp(_q3_scales(b, src),
-                                                                          F16V))
-        elif fmt == "q2_k":    # the 16 groups' scale (low nibble) and min (high)
-            sc = _bytes(b, src, 0, 16)
-            d, dmin = _half(b, src, 80), _half(b, src, 82)
-            mls = b.fmul(u.splat(b, dmin, 16), b.sitofp(b.lshr(sc, u.const(I16V, 4)), F16V))
-            st = b.store(b.fneg(mls), b.gep(scratch, [u.i64(16)], source_etype=u.F32))
-            st.align = 4
-            scales = b.fmul(u.splat(b, d, 16), b.sitofp(b.and_(sc, u.const(I16V, 15)), F16V))
-        else:
-            scales = _scales_mins_k4(b, src)
-            if fmt == "q5_k":
-                self._byte_codes()
-        st = b.store(scales, b.gep(scratch, [u.i64(0)], source_etype=u.F32))
-        st.align = 4
+        self._store(scales, 0)
 
     def _byte_codes(self):
         """q6_k's and q5_k's 256 codes in weight order as bytes (q6_k: q − 32, signed),
@@ -432,11 +436,6 @@ class Narrow:
     def _bytes(self, off):
         return _bytes(self.b, self.src, off, self.W)
 
-    def _bcast(self, at):
-        b = self.b
-        v = b.load(b.gep(self.scratch, [u.i64(at)], source_etype=u.F32), typ=u.F32)
-        return u.splat(b, v, self.W)
-
     def _field(self, v, shift, mask):
         """(v >> shift) & mask, shift < 0 a left shift."""
         return self.b.and_(_codes(self.b, v, shift), u.const(v.type, mask))
@@ -471,9 +470,6 @@ class Narrow:
         p, k = divmod(r, 32)
         q = self._field(self._bytes(16 + 32 * c + k), 4 * p, 15)
         return table(b, b.sitofp(q, fw), self._bcast(2 * c + p), self._bcast(8 + 2 * c + p))
-
-
-NARROW = FORMATS   # the K-quants Narrow decodes
 
 
 def prepare(b, fmt, src, scratch, W=16):

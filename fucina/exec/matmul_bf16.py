@@ -152,7 +152,7 @@ def _pack(dtype, width, rows, K, s_w, s_k, kc, native):
     npan = -(-rows // width)
     per, groups = pack_groups(npan, width * min(K, kc), -(-K // kc))
     addr = kernels.get(g.GemmBf16PackKey(dtype, width, _mode(rows, K, s_w, s_k), not native))
-    words = npan * width * (-(-K // 2)) * (1 if native else 2)
+    words = npan * width * (-(-K // 2)) * g.pair_words(not native)
     return (addr, -(-K // kc) * groups, npan * width * K * 4,
             (rows, K, s_w, s_k, kc, npan, per, groups)), words
 
