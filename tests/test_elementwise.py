@@ -462,6 +462,68 @@ def test_tiles_need_a_full_tile_along_the_read_axis(ctx):
     assert key_roles("copy", "f32", q.shape, [q]) == ("linear", ("unit",))
 
 
+def test_row_streams_of_a_walk():
+    """_streams counts the rows an operand is fed from at once: a [seq, head, d] source walked
+    in [head, seq, d] order jumps a page per row (seq of them); walked in its own order the
+    [head, seq, d] result is written as head sequential streams; broadcast axes open none."""
+    S, H, D = 1024, 16, 64
+    assert ew._streams((H, S, D), (D, H * D, 1), D) == S
+    assert ew._streams((S, H, D), (H * D, D, 1), D) == 1
+    assert ew._streams((S, H, D), (D, S * D, 1), D) == H
+    assert ew._streams((S, H, D), (0, S * D, 1), D) == H
+    assert ew._walk_order((H, S, D), [(D, H * D, 1), (S * D, D, 1)]) == (1, 0, 2)
+    assert ew._walk_order((S, H, D), [(D, S * D, 1), (H * D, D, 1)]) is None
+    assert ew._walk_order((H, S, 8), [(8, H * 8, 1), (S * 8, 8, 1)]) is None  # short rows
+
+
+def check_walk(monkeypatch, fn, want):
+    """fn() -> a raw result: equal to numpy's `want` and bit for bit to the output-order walk."""
+    got = fn()
+    assert_bitwise(got.to_numpy(), want)
+    with monkeypatch.context() as m:
+        m.setattr(ew, "_walk_order", lambda shape, strides: None)
+        m.setattr(ew, "_plans", {})
+        m.setattr(ew, "_runs", {})
+        ref = fn()
+    assert_bitwise(got.to_numpy(), ref.to_numpy())
+    return got
+
+
+def test_walk_follows_the_input_when_the_output_order_scatters_its_rows(ctx, monkeypatch):
+    """A [seq, head, d] copied into [head, seq, d] walks the source in order (the output
+    written as head streams), a [head, seq, d] merged into [seq, head·d] keeps the output's
+    order; 4-D and 5-D permutes, a two-operand add with a broadcast, a cast and an out= view
+    reorder the same way; every result is numpy's and the output-order walk's, bit for bit."""
+    rng = np.random.default_rng(21)
+    S, H, D = 300, 6, 40
+    q = raw_normal(ctx, rng, (S, H, D))
+    qv = q.permute((1, 0, 2))
+    assert key_roles("copy", "f32", qv.shape, [qv]) == ("unit", ("unit",))
+    check_walk(monkeypatch, lambda: ew.materialize(ctx, qv), q.to_numpy().transpose(1, 0, 2))
+    o = raw_normal(ctx, rng, (H, S, D)).permute((1, 0, 2))
+    assert key_roles("copy", "f32", o.shape, [o]) == ("linear", ("unit",))
+    check_walk(monkeypatch, lambda: ew.materialize(ctx, o), o.to_numpy())
+    b4 = raw_normal(ctx, rng, (3, S, 2, D))
+    for perm, role in [((1, 0, 2, 3), "linear"), ((2, 1, 0, 3), "unit"), ((0, 2, 1, 3), "unit")]:
+        v = b4.permute(perm)
+        assert key_roles("copy", "f32", v.shape, [v])[0] == role
+        check_walk(monkeypatch, lambda: ew.materialize(ctx, v), b4.to_numpy().transpose(perm))
+    b5 = raw_normal(ctx, rng, (2, 90, 2, 3, 24))
+    v5 = b5.permute((3, 1, 2, 0, 4))
+    assert key_roles("copy", "f32", v5.shape, [v5])[0] == "unit"
+    check_walk(monkeypatch, lambda: ew.materialize(ctx, v5), b5.to_numpy().transpose(3, 1, 2, 0, 4))
+    bias = raw_normal(ctx, rng, (1, S, D)).view((H, S, D), (0, D, 1))  # broadcast over heads
+    assert key_roles("add", "f32", qv.shape, (qv, bias)) == ("unit", ("unit", "unit"))
+    with np.errstate(all="ignore"):
+        want = qv.to_numpy() + bias.to_numpy()
+    check_walk(monkeypatch, lambda: ew.run(ctx, "add", "f32", qv.shape, (qv, bias)), want)
+    check_walk(monkeypatch, lambda: ew.cast(ctx, qv, "bf16"), ew.cast(ctx, q, "bf16").to_numpy()
+               .transpose(1, 0, 2))
+    dst = ctx.empty((H, S, D))
+    check_walk(monkeypatch, lambda: ew.run(ctx, "copy", "f32", qv.shape, [qv], out=dst),
+               qv.to_numpy())
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_tiled_thread_count_never_changes_bits(ctx1, ctx2, dtype):
     rng = np.random.default_rng(14)

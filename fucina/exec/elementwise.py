@@ -7,6 +7,7 @@ lookup, one pool allocation and one launch.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 from pathlib import Path
@@ -100,6 +101,46 @@ def _tile_axes(shape, strides):
     return None
 
 
+STREAMS = 64  # an in-order walk feeding an operand from more runs at once than this reorders
+
+
+def _streams(shape, strides, run) -> int:
+    """How many runs of `run` contiguous elements one operand reads or writes at once when the
+    axes are walked in this order (innermost last, that axis contiguous): the walk's inner
+    axes each open as many runs as their length, up to the axis that continues them all
+    contiguously. The output order of a copy from [seq, head, d] into [head, seq, d] reads
+    rows 4 KiB apart, one page each, seq after seq: 1024 runs, none sequential."""
+    runs, nxt = 1, run
+    for n, st in zip(shape[-2::-1], strides[-2::-1]):
+        if st == nxt:           # continues every open run
+            if runs > 1:
+                return runs
+            nxt = n * st
+        elif st:                # opens n runs per run (a broadcast axis revisits the same)
+            runs *= n
+    return runs
+
+
+def _walk_order(shape, strides):
+    """The order of the outer axes to walk (the contiguous inner axis stays last), or None to
+    walk the output's: the order in which the operand fed from the most runs at once is fed
+    from the fewest, when the output's order feeds one from more than STREAMS. All operands
+    move whole rows of 16+ elements along the inner axis. [seq 1024, head 16, d 64] copied
+    into [head, seq, d], Zen 3: the input's order (16 output runs, each sequential) 240 ->
+    164 µs at 1 thread, 120 -> 77 µs at 2."""
+    r = len(shape)
+    if r < 3 or r > 5 or shape[-1] < 16 or any(st[-1] != 1 for st in strides):
+        return None
+    def worst(order):
+        sh = tuple(shape[d] for d in order)
+        return max(_streams(sh, tuple(st[d] for d in order), shape[-1]) for st in strides)
+    ident = tuple(range(r))
+    if worst(ident) <= STREAMS:
+        return None
+    best = min(((*p, r - 1) for p in itertools.permutations(range(r - 1))), key=worst)
+    return best if worst(best) < worst(ident) else None
+
+
 def _plan(op, out_dtype, shape, ins, params, out_strides=None):
     """ins: tuple of (dtype, strides); params: tuple of param dtypes at their input positions;
     out_strides: None for a fresh contiguous result, else the strides of the output view."""
@@ -113,7 +154,9 @@ def _plan(op, out_dtype, shape, ins, params, out_strides=None):
 
 def _layout_plan(op, out_dtype, shape, ins, params, out_strides):
     """(kernel key, chunks, cost, static argument tail): coalesce the axes, pick the walk
-    (in output order, or register tiles when an input reads across the output's lines)."""
+    (in output order; outer axes reordered when that order scatters an operand's rows over
+    too many runs (_walk_order); register tiles when an input reads across the output's
+    lines)."""
     walk = [x[1] for x in ins if x is not None]
     ostr = contiguous_strides(shape) if out_strides is None else out_strides
     cshape, cstrides = coalesce(shape, walk + [ostr])
@@ -126,11 +169,17 @@ def _layout_plan(op, out_dtype, shape, ins, params, out_strides):
             cshape, cstrides = tshape, tstrides
         else:  # the output's strides would not fit in the launch's arguments
             tiled = None
+    order = None if tiled is not None else _walk_order(cshape, cstrides)
+    if order is not None and 3 + len(ins) + len(cshape) * (1 + len(cstrides)) <= MAX_ARGS:
+        cshape = tuple(cshape[d] for d in order)
+        cstrides = [tuple(st[d] for d in order) for st in cstrides]
+    else:
+        order = None
     if tiled is not None:
         out_role, role = "tile", _tile_role
     else:
         out_role, role = "linear", (lambda st: _role(st[-1]))
-        if out_strides is not None:
+        if out_strides is not None or order is not None:
             out_role = "unit" if cstrides[-1][-1] == 1 else "strided"
         else:
             cstrides = cstrides[:-1]  # a fresh result is walked in order: no strides
