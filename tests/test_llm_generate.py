@@ -160,8 +160,8 @@ def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, th
 @pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q8_0"])
 def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
     """matvec="q8" changes decode steps only (the prompt's rows stay exact) and its logits
-    stay within the activation rounding's reach of the exact ones; on a host without AVX-512
-    VNNI / VBMI (Zen 3) it is the exact product (Tensor.dot_q8's documented fallback)."""
+    stay within the activation rounding's reach of the exact ones; on a host without AVX2 it
+    is the exact product (Tensor.dot_q8's documented fallback)."""
     from fucina.codegen import quant_q8
     ctx = fu.ExecContext(threads=1)
     path = models[("qwen3", weights)]

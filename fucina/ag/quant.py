@@ -11,6 +11,7 @@ backward for x alone, dx = g · dequant(w) (w decoded at backward time, then the
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -207,7 +208,7 @@ class QuantMethods:
         the row rounded to 8 bits per group of 4 values and multiplied by integer dots (ggml's
         decode fast path; fucina/codegen/quant_q8.py): each activation is off by at most
         1/254 of its group's largest |x|. Inference only; other weight dtypes, rows of fewer
-        than 128 values and hosts without AVX-512 VNNI/VBMI get the exact dot."""
+        than 128 values and hosts without AVX2 get the exact dot."""
         op = "dot_q8"
         r, wr = self._live(op), w._live(op)
         same_ctx(op, self, w)
@@ -218,7 +219,7 @@ class QuantMethods:
                                       f"require grad (use fu.no_grad())")
         free, perm = _check_dot(op, self, w, tag)
         lead = tuple(r.shape[i] for i in perm[:-1])
-        if int(np.prod(lead, dtype=np.int64)) != 1:
+        if math.prod(lead) != 1:
             raise ShapeMismatch(f"{op}: expected one row of activations (every axis but "
                                 f"{tag!r} of size 1), got shape {r.shape} tags {self.tags}")
         row = _rows(r.ctx, r.permute(perm))

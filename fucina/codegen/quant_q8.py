@@ -1,5 +1,6 @@
 """The 8-bit-activation matvec of q4_0 / q4_1 / q8_0 weights: one row of x against a quantized
-w as integer dot products (ggml's decode fast path, written for AVX-512 VNNI + VBMI).
+w as integer dot products (ggml's decode fast path): whole pairs of blocks with AVX-512 VNNI +
+VBMI, a block at a time with AVX2 (_q8_gemv_halves), the same bits on both.
 
 A decode step multiplies one activation row by every weight matrix; decoding each block to f32
 keeps the exact kernel (quant_gemm's gemv) compute-bound. Here x is first rounded to signed
@@ -17,7 +18,11 @@ the group, q = round-half-even(x · 127 / max|x|). Real hidden states have outli
 their 31 neighbours coarsely (logit errors ~1 %), with 4-value groups only their 3 neighbours.
 It is still not the exact product: each x is off by at most 1/254 of its group's largest |x|.
 The sum order is fixed by K alone (per output: pairs in increasing order into one vector, then
-a fixed lane tree), so the bits do not depend on the thread count.
+a fixed lane tree), so the bits do not depend on the thread count, nor on the vector width:
+with AVX2 each pair is two 8-lane halves with the same integer lanes and the same f32
+operations per lane (tests/test_quant_matvec.py's q8_model spells them out). Zen 3, one
+thread: q4_1 [1536, 576] 17-18 G weights/s against the exact gemv's 11-12, SmolLM2 Q4_1
+decode ~1.2x.
 
   q8_row     x [K] f32 -> per pair of blocks 192 bytes: q_x of both blocks (64 bytes), dx per
              4-value group (16 f32, lane i for values 4i .. 4i+3 of the pair), sx of block 0 in
@@ -27,6 +32,7 @@ a fixed lane tree), so the bits do not depend on the thread count.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from llvmlite import ir
@@ -43,10 +49,22 @@ PAIR = 192          # bytes of the q8_row buffer per pair of blocks
 PREFETCH_ITEMS = 4  # the gemv prefetches the rows this many items ahead
 
 
-def available() -> bool:
-    """The host has the instructions these kernels are written for (Zen 4 / Zen 5 do)."""
+def _has(*names) -> bool:
     f = host().features
-    return all(f"+{x}" in f for x in ("avx512f", "avx512bw", "avx512vnni", "avx512vbmi"))
+    return all(f"+{x}" in f for x in names)
+
+
+@functools.lru_cache(maxsize=None)
+def whole_pairs() -> bool:
+    """A pair of blocks per instruction: AVX-512 VNNI and VBMI (Zen 4 / Zen 5)."""
+    return _has("avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """The host runs these kernels: whole pairs (whole_pairs), or AVX2 with F16C and FMA,
+    a block (8 lanes) at a time through vpmaddubsw / vpmaddwd."""
+    return whole_pairs() or _has("avx2", "fma", "f16c")
 
 
 def _v(elem, n):
@@ -134,6 +152,8 @@ class Q8GemvKey(KernelKey):
 
 
 def _q8_gemv(key, b, args, c0, c1):
+    if not whole_pairs():
+        return _q8_gemv_halves(key, b, args, c0, c1)
     f16, i8x64 = _v(u.F32, 16), _v(u.I8, 64)
     CN = key.cols
     bs, nbytes = FORMATS[key.fmt]
@@ -233,4 +253,109 @@ def _q8_gemv(key, b, args, c0, c1):
         for c in range(CN):
             with b.if_then(b.icmp_signed("<", b.add(n0, u.i64(c)), N)):
                 s = lane_tree(b, b.load(accs[c]), fadd)
+                b.store(s, b.gep(y, [b.add(n0, u.i64(c))], source_etype=u.F32))
+
+
+def _q8_gemv_halves(key, b, args, c0, c1):
+    """_q8_gemv on AVX2, a pair's two blocks as two 8-lane halves (lanes 0-7 and 8-15 of the
+    whole-pair kernel), with the same integer lanes and the same f32 operations per lane, so
+    the same bits: a block's unsigned codes times x's bytes by vpmaddubsw (pairs of products,
+    at most 2·15·127 in int16 for the 4-bit codes) and vpmaddwd (the lane's four); q8_0's
+    signed bytes by their magnitude times x's bytes carrying their sign (at most 2·128·127),
+    plus 128·Σ x per lane (the zero point the whole-pair kernel adds through its unsigned
+    codes). A lone last block's second half is the whole-pair kernel's zeroed partner: no
+    codes, d = m = 0."""
+    f8, i8x32 = _v(u.F32, 8), _v(u.I8, 32)
+    CN = key.cols
+    bs, nbytes = FORMATS[key.fmt]
+    nib = key.fmt != "q8_0"
+    qoff = 2 if key.fmt != "q4_1" else 4
+    px, w, y = (u.arg_ptr(b, args, i) for i in range(3))
+    N, K, per = (u.arg(b, args, i) for i in range(3, 6))
+    nblk = b.sdiv(K, u.i64(32))
+    full = b.sdiv(nblk, u.i64(2))
+    row_bytes = b.mul(nblk, u.i64(nbytes))
+    items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
+    ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
+    accs = [[u.entry_alloca(b, f8) for _ in range(2)] for _ in range(CN)]
+    offset = {"q4_0": -8.0, "q8_0": -128.0}.get(key.fmt)
+    zero8 = u.const(f8, 0.0)
+
+    def madd(uq, xq):
+        """Per i32 lane the sum of its four unsigned-by-signed byte products."""
+        pairs = u.intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", _v(u.I16, 16), [uq, xq], types=[])
+        return u.intrinsic(b, "llvm.x86.avx2.pmadd.wd", _v(u.I32, 8),
+                           [pairs, u.const(_v(u.I16, 16), 1)], types=[])
+
+    def load(at, typ):
+        v = b.load(b.gep(w, [at], source_etype=u.I8), typ=typ)
+        v.align = 1
+        return v
+
+    def scales(at):
+        """(d, m) of the block at `at` widened, each in all 8 lanes (m: d again but for q4_1):
+        one 4-byte broadcast, one vcvtph2ps and a lane duplicate each."""
+        if key.fmt != "q4_1":
+            d = b.fpext(u.splat(b, load(at, u.F16), 8), f8)
+            return d, d
+        dm = b.fpext(b.shuffle_vector(load(at, _v(u.F16, 2)), ir.Constant(_v(u.F16, 2), None),
+                                      ir.Constant(_v(u.I32, 8), [0, 1] * 4)), f8)
+        return tuple(b.shuffle_vector(dm, dm, ir.Constant(_v(u.I32, 8), [k & ~1 | h
+                                                                         for k in range(8)]))
+                     for h in (0, 1))
+
+    def codes(at, xq, xs):
+        """The block's dot with x's bytes per lane (the whole-pair kernel's vpdpbusd lanes)."""
+        if nib:     # 16 bytes: elements 0-15 in the low nibbles, 16-31 in the high ones
+            v = load(b.add(at, u.i64(qoff)), _v(u.I8, 16))
+            hi = b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 8)), u.const(_v(u.I16, 8), 4)),
+                           _v(u.I8, 16))
+            q = b.and_(b.shuffle_vector(v, hi, ir.Constant(_v(u.I32, 32), list(range(32)))),
+                       u.const(i8x32, 15))
+            return madd(q, xq)
+        v = load(b.add(at, u.i64(qoff)), i8x32)
+        sign = "llvm.x86.avx2.psign.b"
+        mag = u.intrinsic(b, sign, i8x32, [v, v], types=[])
+        return b.add(madd(mag, u.intrinsic(b, sign, i8x32, [xq, v], types=[])), xs)
+
+    def pair(p, rows, lone=False):
+        pb = b.gep(px, [b.mul(p, u.i64(PAIR))], source_etype=u.I8)
+        for h in (0, 1):
+            xq = b.load(b.gep(pb, [u.i64(32 * h)], source_etype=u.I8), typ=i8x32)
+            dx = b.load(b.gep(pb, [u.i64(64 + 32 * h)], source_etype=u.I8), typ=f8)
+            sx = b.load(b.gep(pb, [u.i64(128 + 32 * h)], source_etype=u.I8), typ=f8)
+            if offset is not None:
+                sx = b.fmul(sx, u.const(f8, offset))
+            xs = None if nib else madd(u.const(i8x32, -128), xq)   # 0x80: 128 unsigned
+            for c in range(CN):
+                acc = b.load(accs[c][h])
+                if lone and h:     # the zeroed partner
+                    dot, d, m = u.const(f8, 0.0), zero8, zero8
+                else:
+                    at = b.add(rows[c], b.mul(b.add(b.mul(p, u.i64(2)), u.i64(h)),
+                                              u.i64(nbytes)))
+                    if h == 0:
+                        u.prefetch(b, w, b.add(at, ahead), "bool")
+                    dot = b.sitofp(codes(at, xq, xs), f8)
+                    d, m = scales(at)
+                acc = u.intrinsic(b, "llvm.fma", f8, [dot, b.fmul(d, dx), acc])
+                acc = u.intrinsic(b, "llvm.fma", f8, [m, sx, acc])
+                b.store(acc, accs[c][h])
+
+    with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
+        n0 = b.mul(q, u.i64(CN))
+        rows = [b.mul(u.smin(b, b.add(n0, u.i64(c)), b.sub(N, u.i64(1))), row_bytes)
+                for c in range(CN)]
+        for pair_accs in accs:
+            for a in pair_accs:
+                b.store(zero8, a)
+        with u.Loop(b, u.i64(0), full, 1, "p") as p:
+            pair(p, rows)
+        with b.if_then(b.icmp_signed("!=", b.mul(full, u.i64(2)), nblk)):
+            pair(full, rows, lone=True)
+        for c in range(CN):
+            with b.if_then(b.icmp_signed("<", b.add(n0, u.i64(c)), N)):
+                whole = b.shuffle_vector(b.load(accs[c][0]), b.load(accs[c][1]),
+                                         ir.Constant(_v(u.I32, 16), list(range(16))))
+                s = lane_tree(b, whole, fadd)
                 b.store(s, b.gep(y, [b.add(n0, u.i64(c))], source_etype=u.F32))

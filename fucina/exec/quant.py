@@ -232,7 +232,8 @@ Q8_COLS = 4   # outputs per q8 gemv item
 
 def q8_fits(w: RawTensor) -> bool:
     """matvec_q8 serves w: a q4_0 / q4_1 / q8_0 weight whose rows hold at least 128 values
-    (its whole-vector loads stay inside a row) on a host with AVX-512 VNNI and VBMI."""
+    (the whole-pair kernel's 64-byte loads stay inside a row) on a host with AVX-512 VNNI and
+    VBMI or with AVX2 (quant_q8.available)."""
     return w.dtype in quant_q8.FMTS and w.shape[1] >= 128 and quant_q8.available()
 
 

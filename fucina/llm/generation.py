@@ -419,8 +419,9 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
     activation row rounded to 8 bits per group of 4 values with integer dots (Tensor.dot_q8),
     logits within ~0.5 % of the exact ones, so a greedy reply can part from the exact one
     after a near tie. On Zen 5 the exact path is now the faster one too (SmolLM2 Q4_1: q8
-    ~10 % slower at one thread, ~6 % at two); measure on your CPU before choosing q8. A host
-    without AVX-512 VNNI / VBMI (Zen 3, most AVX2 CPUs) runs "q8" as the exact product."""
+    ~10 % slower at one thread, ~6 % at two), on Zen 3 (AVX2) q8 is ~1.2x faster; measure
+    on your CPU before choosing q8. Its bits are the same on AVX2 and AVX-512 hosts; a host
+    without AVX2 runs "q8" as the exact product."""
     if kv_dtype not in KV_DTYPES:
         raise InvalidArgumentType(f"fu.llm.load: kv_dtype: expected one of {KV_DTYPES}, got "
                                   f"{kv_dtype!r}")
