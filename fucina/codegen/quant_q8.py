@@ -334,8 +334,7 @@ def _q8_gemv_halves(key, b, args, c0, c1):
                 else:
                     at = b.add(rows[c], b.mul(b.add(b.mul(p, u.i64(2)), u.i64(h)),
                                               u.i64(nbytes)))
-                    if h == 0:
-                        u.prefetch(b, w, b.add(at, ahead), "bool")
+                    u.prefetch(b, w, b.add(at, ahead), "bool")   # every block: every line
                     dot = b.sitofp(codes(at, xq, xs), f8)
                     d, m = scales(at)
                 acc = u.intrinsic(b, "llvm.fma", f8, [dot, b.fmul(d, dx), acc])

@@ -227,7 +227,10 @@ def matmul(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
     return out
 
 
-Q8_COLS = 4   # outputs per q8 gemv item
+# outputs per q8 gemv item; q8_0 on AVX2: 2 (its 34-byte blocks streamed from memory, Zen 3:
+# SmolLM2's [49152, 576] head, cold, 2.9-3.2 -> 2.6-2.7 ms; q4_1's [49152, 576] 1.8 ms at 2,
+# 1.7 at 4)
+Q8_COLS = {"q4_0": 4, "q4_1": 4, "q8_0": 4 if g.lanes() == 16 else 2}
 
 
 def q8_fits(w: RawTensor) -> bool:
@@ -249,9 +252,10 @@ def matvec_q8(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
     q = ctx.empty((pairs * quant_q8.PAIR // 4,), "f32")
     ctx.launch(kernels.get(quant_q8.Q8RowKey()), 1, K * 4, x.addr, q.addr, K)
     out = ctx.empty((1, N))
-    items = -(-N // Q8_COLS)
-    per = max(1, GEMV_WORK // (Q8_COLS * K))
-    ctx.launch(kernels.get(quant_q8.Q8GemvKey(w.dtype, Q8_COLS)), -(-items // per),
+    cols = Q8_COLS[w.dtype]
+    items = -(-N // cols)
+    per = max(1, GEMV_WORK // (cols * K))
+    ctx.launch(kernels.get(quant_q8.Q8GemvKey(w.dtype, cols)), -(-items // per),
                w.lay.nbytes + pairs * quant_q8.PAIR + N * 4, q.addr, w.addr, out.addr, N, K, per)
     return out
 
