@@ -509,6 +509,32 @@ class QuantGemvKey(KernelKey):
         return str(_build_gemv(self, symbol))
 
 
+def _gemv_walk(key: QuantGemvKey, W: int) -> str:
+    """The loop a gemv key runs over the blocks of its rows of w:
+      interleaved  w in the interleaved layout (_interleaved_blocks; 16 lanes only)
+      staged       scales converted per segment ahead (_staged_blocks): q4_0 / q4_1 through
+                   tables and q8_0 on 16 lanes, the narrow decoders on AVX2
+      kregs        the K-quants' register decoders (_kquant_blocks)
+      blocks       block by block over k, all rows of w per block (x's slice of a block fits
+                   in registers: loaded once per block)
+      rows         one row of w at a time over all k, x re-read from L1"""
+    bs = FORMATS[key.fmt][0]
+    x_regs = key.rows * bs // W <= X_REGS
+    fits = W == 16 and x_regs
+    if key.interleaved:
+        if not (fits and key.fmt in INTERLEAVED):
+            raise ValueError(f"quant_gemv: no interleaved layout for {key.fmt} at {key.rows} "
+                             f"rows, {W} lanes")
+        return "interleaved"
+    lut = key.table and key.fmt in LUT_FORMATS and W == 16
+    if key.staged and key.fmt in STAGED and (fits and (lut or key.fmt not in LUT_FORMATS)
+                                             or key.table and W < 16 and x_regs):
+        return "staged"
+    if key.table and key.fmt in kq.FORMATS and (kq.available() or W < 16):
+        return "kregs"
+    return "blocks" if x_regs else "rows"
+
+
 def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     mod, b, args, c0, c1 = u.kernel(symbol)
     W = lanes()
@@ -517,25 +543,17 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     x, w, y = (u.arg_ptr(b, args, i) for i in range(3))
     N, K, s_xm, per = (u.arg(b, args, i) for i in range(3, 7))
     nblk = b.sdiv(K, u.i64(bs))
-    inter = key.interleaved
-    row_bytes = (_interleaved_row_ir(b, key.fmt, nblk)[1] if inter else
+    walk = _gemv_walk(key, W)
+    row_bytes = (_interleaved_row_ir(b, key.fmt, nblk)[1] if walk == "interleaved" else
                  b.mul(nblk, u.i64(nbytes)))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
-    lut = key.table and key.fmt in LUT_FORMATS and W == 16
+    lut = key.table and key.fmt in LUT_FORMATS and W == 16   # 16-lane table decoders
     narrow = key.table and W < 16    # staged blocks decoded by _narrow_block (AVX2)
     bufs = [_buffer(b, bs) for _ in range(CN)]
-    fits = W == 16 and RM * bs // W <= X_REGS
-    if inter and not (fits and key.fmt in INTERLEAVED):
-        raise ValueError(f"quant_gemv: no interleaved layout for {key.fmt} at {RM} rows, "
-                         f"{W} lanes")
-    staged = (not inter and key.staged and key.fmt in STAGED
-              and (fits and (lut or key.fmt not in LUT_FORMATS)
-                   or narrow and RM * bs // W <= X_REGS))
-    sbuf = (_buffer(b, CN * SEGMENT * 2) if staged else
-            _buffer(b, CN * (SEG_GROUPS * 8 + SEGMENT * 2)) if inter else None)
-    kregs = key.table and key.fmt in kq.FORMATS and (kq.available() or W < 16)
-    kbufs = [_buffer(b, kq.SCRATCH) for _ in range(CN)] if kregs else None
+    sbuf = (_buffer(b, CN * SEGMENT * 2) if walk == "staged" else
+            _buffer(b, CN * (SEG_GROUPS * 8 + SEGMENT * 2)) if walk == "interleaved" else None)
+    kbufs = [_buffer(b, kq.SCRATCH) for _ in range(CN)] if walk == "kregs" else None
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
@@ -569,17 +587,17 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                     acc = accs[r][c][v % SPLIT]
                     b.store(u.intrinsic(b, "llvm.fma", wv.type, [xv, wv, b.load(acc)]), acc)
 
-        if inter:
+        if walk == "interleaved":
             _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block)
-        elif staged:
+        elif walk == "staged":
             _staged_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, block)
-        elif kregs:
+        elif walk == "kregs":
             _kquant_blocks(b, key, w, rows, row_bytes, nblk, ahead, kbufs, use)
-        elif RM * bs // W <= X_REGS:   # x's slice of a block fits in registers: loaded once per block
+        elif walk == "blocks":
             with u.Loop(b, u.i64(0), nblk, 1, "kb") as kb:
                 for c in range(CN):
                     block(c, kb)
-        else:                        # one row of w at a time over all k, x re-read from L1
+        else:
             for c in range(CN):
                 with u.Loop(b, u.i64(0), nblk, 1, f"kb{c}") as kb:
                     block(c, kb)
