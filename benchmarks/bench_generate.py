@@ -12,8 +12,9 @@ template) and produce 64 new tokens with EOS ignored. Prefill = prompt tokens / 
 first new token; decode = the following tokens / their time. Runs alternate (Fucina,
 transformers, ...), medians of the runs. The warm-up call leaves each LM its decode plan
 (recorded steps replayed from C, fucina/exec/plan.py), as a serving process has it after its
-first reply. SmolLM2's decode is also measured with `matvec="q8"` (8-bit activation rows,
-integer dots; opt-in: not the exact product). Each prefill row gives its matrix work and the
+first reply. Each decode is also measured with `matvec="q8"` (8-bit activation rows, integer
+dots for the q4_0 / q4_1 / q5_0 / q5_1 / q8_0 matrices: SmolLM2's layers and head, the Q4_K_M
+files' q5_0 layers and q8_0 heads; opt-in: not the exact product). Each prefill row gives its matrix work and the
 bound on this host: transformers' prefill time over that work at our 1024³ f32 GEMM rate.
 
 When `llama_cpp` (llama-cpp-python, built from its source package for this CPU; never in CI)
@@ -87,7 +88,8 @@ def _llama_cpp(path, threads):
 
 def files() -> list[tuple[str, str, bool]]:
     """(label, path, with the q8 row) of each model there is: SmolLM2 from its package, the
-    qwen2 and gemma3 files of `make models` (tools/fetch_models.py) when assembled."""
+    qwen2 and gemma3 files of `make models` (tools/fetch_models.py) when assembled; every one
+    has matrices the q8 path serves."""
     from fucina.cli.finetune import smollm2_file
     from tools.fetch_models import MODELS, default_dest
     out = []
@@ -97,7 +99,7 @@ def files() -> list[tuple[str, str, bool]]:
     for name, label in (("qwen2", "Qwen2.5-Coder-0.5B Q4_K_M"), ("gemma3", "Gemma-3-270M Q4_K_M")):
         p = default_dest() / MODELS[name].filename
         if p.is_file():
-            out.append((label, str(p), False))
+            out.append((label, str(p), True))
     return out
 
 

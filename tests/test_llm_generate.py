@@ -157,14 +157,15 @@ def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, th
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q8_0"])
-def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights):
+@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights, tmp_path):
     """matvec="q8" changes decode steps only (the prompt's rows stay exact) and its logits
     stay within the activation rounding's reach of the exact ones; on a host without AVX2 it
     is the exact product (Tensor.dot_q8's documented fallback)."""
     from fucina.codegen import quant_q8
     ctx = fu.ExecContext(threads=1)
-    path = models[("qwen3", weights)]
+    path = models.get(("qwen3", weights)) or requantized(models[("qwen3", "f32")],
+                                                        tmp_path / f"{weights}.gguf", weights)
     exact, fast = load(path, ctx), load(path, ctx, matvec="q8")
     ids = exact.encode(PROMPT)
     tokens = [3, 17, 5, 11, 2, 8]

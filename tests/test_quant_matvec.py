@@ -302,7 +302,7 @@ def test_bad_input(ctx1):
 # ---------------------------------------------------------------------------------------------
 # dot_q8: the activation row rounded to 8 bits per 32-block, integer dots (codegen/quant_q8.py)
 
-Q8 = ["q4_0", "q4_1", "q8_0"]
+Q8 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 needs_q8 = pytest.mark.skipif(not xq.quant_q8.available(),
                               reason="the host lacks AVX2 (dot_q8 is the exact dot)")
 
@@ -346,7 +346,7 @@ def random_blocks(rng, N, K, fmt):
     finite f16 scales (and q4_1 mins) of both signs."""
     bs, nbytes = FORMATS[fmt]
     raw = rng.integers(0, 256, (N, K // bs, nbytes), dtype=np.uint8)
-    nscale = 2 if fmt == "q4_1" else 1
+    nscale = 2 if fmt in ("q4_1", "q5_1") else 1
     sc = (rng.standard_normal((N, K // bs, nscale)) * 0.05).astype(np.float16)
     raw[:, :, :2 * nscale] = sc.view(np.uint8).reshape(N, K // bs, 2 * nscale)
     return raw.reshape(N, -1)
@@ -370,8 +370,8 @@ def q8_model(xa, raw, N, K, fmt):
     """dot_q8 computed as codegen/quant_q8.py describes it, every f32 operation rounded once
     (Fractions): x's bytes, dx and sx as q8_row makes them; per output, per pair of blocks, per
     lane l of 16 (lanes 0-7 block 2p, 8-15 block 2p + 1; a lone last block's partner has no
-    codes and d = m = 0): acc = fma(dot, d·dx, acc), acc = fma(m (q4_1) | d, sx', acc) with sx'
-    = sx (q4_1) or sx·(-8 | -128), then the halving lane tree."""
+    codes and d = m = 0): acc = fma(dot, d·dx, acc), acc = fma(m (q4_1, q5_1) | d, sx', acc)
+    with sx' = sx (q4_1, q5_1) or sx·(-8 | -16 | -128), then the halving lane tree."""
     from fractions import Fraction as F
 
     f32 = np.float32
@@ -389,7 +389,8 @@ def q8_model(xa, raw, N, K, fmt):
             acc = f32(acc + f32(dx[g] * f32(qx[g].sum())))
         sx.append(acc)
     blocks = raw.reshape(N, nblk, nbytes)
-    off = {"q4_0": f32(-8.0), "q8_0": f32(-128.0)}.get(fmt)
+    off = {"q4_0": f32(-8.0), "q5_0": f32(-16.0), "q8_0": f32(-128.0)}.get(fmt)
+    with_m = fmt in ("q4_1", "q5_1")
     y = np.zeros(N, f32)
     for n in range(N):
         acc = [f32(0.0)] * 16
@@ -401,12 +402,16 @@ def q8_model(xa, raw, N, K, fmt):
                     if j < nblk:
                         blk = blocks[n, j]
                         d = f32(blk[:2].view(np.float16)[0])
-                        m = f32(blk[2:4].view(np.float16)[0]) if fmt == "q4_1" else d
+                        m = f32(blk[2:4].view(np.float16)[0]) if with_m else d
                         if fmt == "q8_0":
                             codes = blk[2:].astype(np.int64) ^ 0x80          # w + 128
                         else:
                             nib = blk[nbytes - 16:]
                             codes = np.concatenate([nib & 15, nib >> 4]).astype(np.int64)
+                        if fmt in ("q5_0", "q5_1"):   # bit j of qh is element j's fifth
+                            at = 4 if with_m else 2
+                            qh = int(blk[at:at + 4].view(np.uint32)[0])
+                            codes |= np.array([(qh >> e & 1) << 4 for e in range(32)])
                         dot = int((codes[4 * l:4 * l + 4] * qx[8 * j + l]).sum())
                         dxl, sxl = dx[8 * j + l], (sx[j] if l == 0 else f32(0.0))
                     else:

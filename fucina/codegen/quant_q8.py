@@ -1,6 +1,7 @@
-"""The 8-bit-activation matvec of q4_0 / q4_1 / q8_0 weights: one row of x against a quantized
-w as integer dot products (ggml's decode fast path): whole pairs of blocks with AVX-512 VNNI +
-VBMI, a block at a time with AVX2 (_q8_gemv_halves), the same bits on both.
+"""The 8-bit-activation matvec of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 weights: one row of x against
+a quantized w as integer dot products (ggml's decode fast path): q4_0 / q4_1 / q8_0 in whole
+pairs of blocks with AVX-512 VNNI + VBMI, every format a block at a time with AVX2
+(_q8_gemv_halves), the same bits either way.
 
 A decode step multiplies one activation row by every weight matrix; decoding each block to f32
 keeps the exact kernel (quant_gemm's gemv) compute-bound. Here x is first rounded to signed
@@ -8,10 +9,10 @@ keeps the exact kernel (quant_gemm's gemv) compute-bound. Here x is first rounde
 (vpermt2b), one `vpdpbusd` (unsigned weight byte × signed x byte, 4 products per i32 lane) and
 two FMAs of scale vectors:
 
-  y[n] = Σ_pairs Σ_lanes d_w · dx_lane · Σ_4 u_w · q_x  + (m_w, or −8·d_w, or −128·d_w) · sx_block
+  y[n] = Σ_pairs Σ_lanes d_w · dx_lane · Σ_4 u_w · q_x  + (m_w, or −8 | −16 | −128 · d_w) · sx_block
 
-u_w is the weight's unsigned code (q4_1's nibble; q4_0's nibble = q + 8; q8_0's byte + 128, so
-the zero point comes back through sx = Σ dx·q over the block). x is scaled per group of 4
+u_w is the weight's unsigned code (q4_1's nibble; q4_0's nibble = q + 8; q5's five bits, q5_0's
+= q + 16; q8_0's byte + 128, so the zero point comes back through sx = Σ dx·q over the block). x is scaled per group of 4
 values — one per vpdpbusd lane, so finer groups cost the gemv nothing: dx = max|x| / 127 over
 the group, q = round-half-even(x · 127 / max|x|). Real hidden states have outlier channels
 (SmolLM2's final one: max 33 against a median of 0.8); with ggml's 32-value groups they round
@@ -21,8 +22,8 @@ The sum order is fixed by K alone (per output: pairs in increasing order into on
 a fixed lane tree), so the bits do not depend on the thread count, nor on the vector width:
 with AVX2 each pair is two 8-lane halves with the same integer lanes and the same f32
 operations per lane (tests/test_quant_matvec.py's q8_model spells them out). Zen 3, one
-thread: q4_1 [1536, 576] 17-18 G weights/s against the exact gemv's 11-12, SmolLM2 Q4_1
-decode ~1.2x.
+thread: q4_1 [1536, 576] 17-18 G weights/s against the exact gemv's 11-12, q5_0 14 against
+7.3; decode SmolLM2 Q4_1 ~1.3x, Qwen2.5-Coder-0.5B Q4_K_M (q5_0 layers, q8_0 head) ~1.5x.
 
   q8_row     x [K] f32 -> per pair of blocks 192 bytes: q_x of both blocks (64 bytes), dx per
              4-value group (16 f32, lane i for values 4i .. 4i+3 of the pair), sx of block 0 in
@@ -44,7 +45,8 @@ from .quant import FORMATS
 from .rows import fadd
 from .target import host
 
-FMTS = ("q4_0", "q4_1", "q8_0")
+FMTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+WHOLE = ("q4_0", "q4_1", "q8_0")   # with whole pairs on AVX-512; q5_0 / q5_1 in halves anywhere
 PAIR = 192          # bytes of the q8_row buffer per pair of blocks
 PREFETCH_ITEMS = 4  # the gemv prefetches the rows this many items ahead
 
@@ -152,7 +154,7 @@ class Q8GemvKey(KernelKey):
 
 
 def _q8_gemv(key, b, args, c0, c1):
-    if not whole_pairs():
+    if not (whole_pairs() and key.fmt in WHOLE):
         return _q8_gemv_halves(key, b, args, c0, c1)
     f16, i8x64 = _v(u.F32, 16), _v(u.I8, 64)
     CN = key.cols
@@ -264,12 +266,18 @@ def _q8_gemv_halves(key, b, args, c0, c1):
     signed bytes by their magnitude times x's bytes carrying their sign (at most 2·128·127),
     plus 128·Σ x per lane (the zero point the whole-pair kernel adds through its unsigned
     codes). A lone last block's second half is the whole-pair kernel's zeroed partner: no
-    codes, d = m = 0."""
+    codes, d = m = 0. q5_0 / q5_1 (no whole-pair kernel: these AVX2 instructions serve them
+    on AVX-512 hosts too) take their fifth bit from qh into the byte lanes (qh's bytes
+    broadcast, an OR with every bit but the lane's own, a compare with all ones) and are then
+    q4_0 / q4_1 with 32 codes and zero point 16."""
     f8, i8x32 = _v(u.F32, 8), _v(u.I8, 32)
     CN = key.cols
     bs, nbytes = FORMATS[key.fmt]
     nib = key.fmt != "q8_0"
-    qoff = 2 if key.fmt != "q4_1" else 4
+    pair_scale = key.fmt in ("q4_1", "q5_1")       # d and m, else d alone
+    fifth = key.fmt in ("q5_0", "q5_1")
+    hoff = 4 if pair_scale else 2                   # q5: qh after the scales, then the nibbles
+    qoff = hoff + (4 if fifth else 0)
     px, w, y = (u.arg_ptr(b, args, i) for i in range(3))
     N, K, per = (u.arg(b, args, i) for i in range(3, 6))
     nblk = b.sdiv(K, u.i64(32))
@@ -278,7 +286,7 @@ def _q8_gemv_halves(key, b, args, c0, c1):
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
     accs = [[u.entry_alloca(b, f8) for _ in range(2)] for _ in range(CN)]
-    offset = {"q4_0": -8.0, "q8_0": -128.0}.get(key.fmt)
+    offset = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": -128.0}.get(key.fmt)
     zero8 = u.const(f8, 0.0)
 
     def madd(uq, xq):
@@ -295,7 +303,7 @@ def _q8_gemv_halves(key, b, args, c0, c1):
     def scales(at):
         """(d, m) of the block at `at` widened, each in all 8 lanes (m: d again but for q4_1):
         one 4-byte broadcast, one vcvtph2ps and a lane duplicate each."""
-        if key.fmt != "q4_1":
+        if not pair_scale:
             d = b.fpext(u.splat(b, load(at, u.F16), 8), f8)
             return d, d
         dm = b.fpext(b.shuffle_vector(load(at, _v(u.F16, 2)), ir.Constant(_v(u.F16, 2), None),
@@ -312,6 +320,14 @@ def _q8_gemv_halves(key, b, args, c0, c1):
                            _v(u.I8, 16))
             q = b.and_(b.shuffle_vector(v, hi, ir.Constant(_v(u.I32, 32), list(range(32)))),
                        u.const(i8x32, 15))
+            if fifth:   # byte j |= 16 when bit j of qh is set
+                qh = b.bitcast(u.splat(b, load(b.add(at, u.i64(hoff)), u.I32), 8), i8x32)
+                qh = b.shuffle_vector(qh, qh, ir.Constant(_v(u.I32, 32),
+                                                          [16 * (j // 16) + j // 8
+                                                           for j in range(32)]))
+                others = ir.Constant(i8x32, [0xFF ^ (1 << (j % 8)) for j in range(32)])
+                lit = b.icmp_unsigned("==", b.or_(qh, others), u.const(i8x32, -1))
+                q = b.or_(q, b.and_(b.sext(lit, i8x32), u.const(i8x32, 16)))
             return madd(q, xq)
         v = load(b.add(at, u.i64(qoff)), i8x32)
         sign = "llvm.x86.avx2.psign.b"
