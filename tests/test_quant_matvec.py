@@ -302,7 +302,9 @@ def test_bad_input(ctx1):
 # ---------------------------------------------------------------------------------------------
 # dot_q8: the activation row rounded to 8 bits per 32-block, integer dots (codegen/quant_q8.py)
 
-Q8 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+Q8 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"]
+Q8_SHAPES = [(1536, 576), (576, 1536), (37, 128), (9, 160), (6, 224), (5, 96 * 4)]
+Q8_K_SHAPES = [(1536, 768), (768, 1536), (37, 256), (5, 512)]   # K-quants: K a multiple of 256
 needs_q8 = pytest.mark.skipif(not xq.quant_q8.available(),
                               reason="the host lacks AVX2 (dot_q8 is the exact dot)")
 
@@ -319,9 +321,8 @@ def q8_rounded(xa):
 
 
 @needs_q8
-@pytest.mark.parametrize("fmt", Q8)
-@pytest.mark.parametrize("N,K", [(1536, 576), (576, 1536), (37, 128), (9, 160), (6, 224),
-                                 (5, 96 * 4)])
+@pytest.mark.parametrize("fmt,N,K", [(f, *s) for f in Q8
+                                     for s in (Q8_K_SHAPES if f in KQUANT else Q8_SHAPES)])
 def test_dot_q8_is_the_product_with_the_rounded_row(ctx1, ctx2, fmt, N, K):
     """The integer path equals x rounded per block times the stored weight (float64 numpy, to
     f32 summation accuracy), an odd count of blocks and N off the 4-output grid included; the
@@ -343,10 +344,10 @@ def test_dot_q8_is_the_product_with_the_rounded_row(ctx1, ctx2, fmt, N, K):
 
 def random_blocks(rng, N, K, fmt):
     """[N, K] blocks of random code bytes (every code, q8_0's -128 included) with random
-    finite f16 scales (and q4_1 mins) of both signs."""
+    finite f16 scales (and q4_1 / q5_1 mins, q4_k's d and dmin) of both signs."""
     bs, nbytes = FORMATS[fmt]
     raw = rng.integers(0, 256, (N, K // bs, nbytes), dtype=np.uint8)
-    nscale = 2 if fmt in ("q4_1", "q5_1") else 1
+    nscale = 2 if fmt in ("q4_1", "q5_1", "q4_k") else 1
     sc = (rng.standard_normal((N, K // bs, nscale)) * 0.05).astype(np.float16)
     raw[:, :, :2 * nscale] = sc.view(np.uint8).reshape(N, K // bs, 2 * nscale)
     return raw.reshape(N, -1)
@@ -371,7 +372,8 @@ def q8_model(xa, raw, N, K, fmt):
     (Fractions): x's bytes, dx and sx as q8_row makes them; per output, per pair of blocks, per
     lane l of 16 (lanes 0-7 block 2p, 8-15 block 2p + 1; a lone last block's partner has no
     codes and d = m = 0): acc = fma(dot, d·dx, acc), acc = fma(m (q4_1, q5_1) | d, sx', acc)
-    with sx' = sx (q4_1, q5_1) or sx·(-8 | -16 | -128), then the halving lane tree."""
+    with sx' = sx (q4_1, q5_1) or sx·(-8 | -16 | -128), then the halving lane tree. q4_k's
+    32-value sub-blocks are blocks with d = d·sc and m = −dmin·m (ggml's 6-bit scales)."""
     from fractions import Fraction as F
 
     f32 = np.float32
@@ -388,9 +390,37 @@ def q8_model(xa, raw, N, K, fmt):
         for g in range(8 * j, 8 * j + 8):
             acc = f32(acc + f32(dx[g] * f32(qx[g].sum())))
         sx.append(acc)
-    blocks = raw.reshape(N, nblk, nbytes)
+    rows = raw.reshape(N, -1)
     off = {"q4_0": f32(-8.0), "q5_0": f32(-16.0), "q8_0": f32(-128.0)}.get(fmt)
     with_m = fmt in ("q4_1", "q5_1")
+
+    def block(n, j):
+        """(32 unsigned codes, d, m) of 32-value block j of row n."""
+        if fmt == "q4_k":
+            sup, sub = divmod(j, 8)
+            blk = rows[n, sup * nbytes:(sup + 1) * nbytes]
+            d, dmin = (f32(v) for v in blk[:4].view(np.float16))
+            s = blk[4:16].astype(np.int64)
+            if sub < 4:
+                sc, mn = s[sub] & 63, s[sub + 4] & 63
+            else:
+                sc = (s[sub + 4] & 15) | (s[sub - 4] >> 6) << 4
+                mn = (s[sub + 4] >> 4) | (s[sub] >> 6) << 4
+            q = blk[16 + 32 * (sub // 2):48 + 32 * (sub // 2)].astype(np.int64)
+            return (q >> 4 if sub % 2 else q & 15), f32(d * f32(sc)), -f32(dmin * f32(mn))
+        blk = rows[n, j * nbytes:(j + 1) * nbytes]
+        d = f32(blk[:2].view(np.float16)[0])
+        m = f32(blk[2:4].view(np.float16)[0]) if with_m else d
+        if fmt == "q8_0":
+            return blk[2:].astype(np.int64) ^ 0x80, d, m            # w + 128
+        nib = blk[nbytes - 16:]
+        codes = np.concatenate([nib & 15, nib >> 4]).astype(np.int64)
+        if fmt in ("q5_0", "q5_1"):   # bit e of qh is element e's fifth
+            at = 4 if with_m else 2
+            qh = int(blk[at:at + 4].view(np.uint32)[0])
+            codes |= np.array([(qh >> e & 1) << 4 for e in range(32)])
+        return codes, d, m
+
     y = np.zeros(N, f32)
     for n in range(N):
         acc = [f32(0.0)] * 16
@@ -400,18 +430,7 @@ def q8_model(xa, raw, N, K, fmt):
                 for l in range(8):
                     lane = 8 * h + l
                     if j < nblk:
-                        blk = blocks[n, j]
-                        d = f32(blk[:2].view(np.float16)[0])
-                        m = f32(blk[2:4].view(np.float16)[0]) if with_m else d
-                        if fmt == "q8_0":
-                            codes = blk[2:].astype(np.int64) ^ 0x80          # w + 128
-                        else:
-                            nib = blk[nbytes - 16:]
-                            codes = np.concatenate([nib & 15, nib >> 4]).astype(np.int64)
-                        if fmt in ("q5_0", "q5_1"):   # bit j of qh is element j's fifth
-                            at = 4 if with_m else 2
-                            qh = int(blk[at:at + 4].view(np.uint32)[0])
-                            codes |= np.array([(qh >> e & 1) << 4 for e in range(32)])
+                        codes, d, m = block(n, j)
                         dot = int((codes[4 * l:4 * l + 4] * qx[8 * j + l]).sum())
                         dxl, sxl = dx[8 * j + l], (sx[j] if l == 0 else f32(0.0))
                     else:
@@ -435,7 +454,7 @@ def test_dot_q8_follows_its_model_bit_for_bit(ctx1, fmt):
     code, q8_0's -128 included), x with an outlier, an all-zero group and a negative zero, an
     odd block count (a lone last block)."""
     rng = np.random.default_rng(32)
-    for N, K in ((5, 160), (3, 256)):
+    for N, K in ((5, 512), (3, 256)) if fmt in KQUANT else ((5, 160), (3, 256)):
         raw = random_blocks(rng, N, K, fmt)
         w = fu.Tensor(xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt), ("o", "i"))
         xa = rng.standard_normal((1, K)).astype(np.float32)
@@ -448,7 +467,7 @@ def test_dot_q8_follows_its_model_bit_for_bit(ctx1, fmt):
 def test_dot_q8_falls_back_and_refuses(ctx1):
     """Weights it does not serve (other formats, rows under 128 values) take the exact dot;
     gradients and more than one row are refused."""
-    for fmt, K in (("q4_k", 256), ("q4_0", 96), ("f32", 128)):
+    for fmt, K in (("q6_k", 256), ("q4_0", 96), ("f32", 128)):
         if fmt == "f32":
             w = ctx1.tensor(rnd(7, K), ("o", "i"))
         else:

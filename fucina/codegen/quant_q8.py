@@ -1,5 +1,5 @@
-"""The 8-bit-activation matvec of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 weights: one row of x against
-a quantized w as integer dot products (ggml's decode fast path): q4_0 / q4_1 / q8_0 in whole
+"""The 8-bit-activation matvec of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q4_k weights: one row of x
+against a quantized w as integer dot products (ggml's decode fast path): q4_0 / q4_1 / q8_0 in whole
 pairs of blocks with AVX-512 VNNI + VBMI, every format a block at a time with AVX2
 (_q8_gemv_halves), the same bits either way.
 
@@ -45,8 +45,8 @@ from .quant import FORMATS
 from .rows import fadd
 from .target import host
 
-FMTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
-WHOLE = ("q4_0", "q4_1", "q8_0")   # with whole pairs on AVX-512; q5_0 / q5_1 in halves anywhere
+FMTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
+WHOLE = ("q4_0", "q4_1", "q8_0")   # with whole pairs on AVX-512; the others in halves anywhere
 PAIR = 192          # bytes of the q8_row buffer per pair of blocks
 PREFETCH_ITEMS = 4  # the gemv prefetches the rows this many items ahead
 
@@ -269,7 +269,9 @@ def _q8_gemv_halves(key, b, args, c0, c1):
     codes, d = m = 0. q5_0 / q5_1 (no whole-pair kernel: these AVX2 instructions serve them
     on AVX-512 hosts too) take their fifth bit from qh into the byte lanes (qh's bytes
     broadcast, an OR with every bit but the lane's own, a compare with all ones) and are then
-    q4_0 / q4_1 with 32 codes and zero point 16."""
+    q4_0 / q4_1 with 32 codes and zero point 16. q4_k's superblocks are 8 such blocks of 32
+    (a pair: the low and the high nibbles of 32 code bytes), with d = d·sc and m = −dmin·m of
+    ggml's 6-bit scales, decoded for all 8 at once per superblock and row (k_scales)."""
     f8, i8x32 = _v(u.F32, 8), _v(u.I8, 32)
     CN = key.cols
     bs, nbytes = FORMATS[key.fmt]
@@ -282,7 +284,7 @@ def _q8_gemv_halves(key, b, args, c0, c1):
     N, K, per = (u.arg(b, args, i) for i in range(3, 6))
     nblk = b.sdiv(K, u.i64(32))
     full = b.sdiv(nblk, u.i64(2))
-    row_bytes = b.mul(nblk, u.i64(nbytes))
+    row_bytes = b.mul(b.sdiv(K, u.i64(bs)), u.i64(nbytes))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
     accs = [[u.entry_alloca(b, f8) for _ in range(2)] for _ in range(CN)]
@@ -334,17 +336,66 @@ def _q8_gemv_halves(key, b, args, c0, c1):
         mag = u.intrinsic(b, sign, i8x32, [v, v], types=[])
         return b.add(madd(mag, u.intrinsic(b, sign, i8x32, [xq, v], types=[])), xs)
 
-    def pair(p, rows, lone=False):
+    def x_half(p, h):
+        """(x's bytes, dx, sx·offset) of block 2p + h from the q8_row buffer."""
         pb = b.gep(px, [b.mul(p, u.i64(PAIR))], source_etype=u.I8)
+        xq = b.load(b.gep(pb, [u.i64(32 * h)], source_etype=u.I8), typ=i8x32)
+        dx = b.load(b.gep(pb, [u.i64(64 + 32 * h)], source_etype=u.I8), typ=f8)
+        sx = b.load(b.gep(pb, [u.i64(128 + 32 * h)], source_etype=u.I8), typ=f8)
+        return xq, dx, (sx if offset is None else b.fmul(sx, u.const(f8, offset)))
+
+    def step(c, h, dot, d, m, dx, sx):
+        """The whole-pair kernel's two FMAs on lanes 8h .. 8h + 7 of output c."""
+        acc = b.load(accs[c][h])
+        acc = u.intrinsic(b, "llvm.fma", f8, [dot, b.fmul(d, dx), acc])
+        b.store(u.intrinsic(b, "llvm.fma", f8, [m, sx, acc]), accs[c][h])
+
+    def k_scales(at):
+        """q4_k: the 8 sub-blocks' d·sc and −dmin·m of the superblock at `at` as two 8-lane
+        vectors (ggml's get_scale_min_k4 lane by lane; both products exact in f32)."""
+        s = [b.zext(v, _v(u.I32, 8)) for v in (
+            b.shuffle_vector(load(b.add(at, u.i64(4)), _v(u.I8, 16)), ir.Constant(_v(u.I8, 16), None),
+                             ir.Constant(_v(u.I32, 8), idx))
+            for idx in ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 8, 9, 10, 11],
+                        [0, 1, 2, 3, 0, 1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7]))]
+        i32 = _v(u.I32, 8)
+        low = ir.Constant(i32, [63] * 4 + [15] * 4)
+        high = [b.and_(b.shl(b.lshr(v, u.const(i32, 6)), u.const(i32, 4)),
+                       ir.Constant(i32, [0] * 4 + [48] * 4)) for v in (s[2], s[3])]
+        sc = b.or_(b.and_(s[0], low), high[0])
+        mn = b.or_(b.and_(b.lshr(s[1], ir.Constant(i32, [0] * 4 + [4] * 4)), low), high[1])
+        d, dmin = (b.fpext(u.splat(b, load(b.add(at, u.i64(2 * i)), u.F16), 8), f8)
+                   for i in (0, 1))
+        return b.fmul(d, b.sitofp(sc, f8)), b.fneg(b.fmul(dmin, b.sitofp(mn, f8)))
+
+    def kquant(sb, rows):
+        """Superblock sb of every row: its 4 pairs of 32-value sub-blocks, the low nibbles of
+        32 code bytes for the first of each pair, their high nibbles for the second."""
+        scales = []
+        for c in range(CN):
+            at = b.add(rows[c], b.mul(sb, u.i64(nbytes)))
+            for off in range(0, nbytes, 64):
+                u.prefetch(b, w, b.add(b.add(at, ahead), u.i64(off)), "bool")
+            scales.append((at, *k_scales(at)))
+        for lp in range(4):
+            p = b.add(b.mul(sb, u.i64(4)), u.i64(lp))
+            for h in (0, 1):
+                xq, dx, sx = x_half(p, h)
+                j = ir.Constant(_v(u.I32, 8), [2 * lp + h] * 8)
+                for c, (at, ds, dm) in enumerate(scales):
+                    v = load(b.add(at, u.i64(16 + 32 * lp)), i8x32)
+                    if h:
+                        v = b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 16)),
+                                             u.const(_v(u.I16, 16), 4)), i8x32)
+                    dot = b.sitofp(madd(b.and_(v, u.const(i8x32, 15)), xq), f8)
+                    step(c, h, dot, b.shuffle_vector(ds, ds, j), b.shuffle_vector(dm, dm, j),
+                         dx, sx)
+
+    def pair(p, rows, lone=False):
         for h in (0, 1):
-            xq = b.load(b.gep(pb, [u.i64(32 * h)], source_etype=u.I8), typ=i8x32)
-            dx = b.load(b.gep(pb, [u.i64(64 + 32 * h)], source_etype=u.I8), typ=f8)
-            sx = b.load(b.gep(pb, [u.i64(128 + 32 * h)], source_etype=u.I8), typ=f8)
-            if offset is not None:
-                sx = b.fmul(sx, u.const(f8, offset))
+            xq, dx, sx = x_half(p, h)
             xs = None if nib else madd(u.const(i8x32, -128), xq)   # 0x80: 128 unsigned
             for c in range(CN):
-                acc = b.load(accs[c][h])
                 if lone and h:     # the zeroed partner
                     dot, d, m = u.const(f8, 0.0), zero8, zero8
                 else:
@@ -353,9 +404,7 @@ def _q8_gemv_halves(key, b, args, c0, c1):
                     u.prefetch(b, w, b.add(at, ahead), "bool")   # every block: every line
                     dot = b.sitofp(codes(at, xq, xs), f8)
                     d, m = scales(at)
-                acc = u.intrinsic(b, "llvm.fma", f8, [dot, b.fmul(d, dx), acc])
-                acc = u.intrinsic(b, "llvm.fma", f8, [m, sx, acc])
-                b.store(acc, accs[c][h])
+                step(c, h, dot, d, m, dx, sx)
 
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
         n0 = b.mul(q, u.i64(CN))
@@ -364,10 +413,14 @@ def _q8_gemv_halves(key, b, args, c0, c1):
         for pair_accs in accs:
             for a in pair_accs:
                 b.store(zero8, a)
-        with u.Loop(b, u.i64(0), full, 1, "p") as p:
-            pair(p, rows)
-        with b.if_then(b.icmp_signed("!=", b.mul(full, u.i64(2)), nblk)):
-            pair(full, rows, lone=True)
+        if bs == 256:
+            with u.Loop(b, u.i64(0), b.sdiv(K, u.i64(bs)), 1, "sb") as sb:
+                kquant(sb, rows)
+        else:
+            with u.Loop(b, u.i64(0), full, 1, "p") as p:
+                pair(p, rows)
+            with b.if_then(b.icmp_signed("!=", b.mul(full, u.i64(2)), nblk)):
+                pair(full, rows, lone=True)
         for c in range(CN):
             with b.if_then(b.icmp_signed("<", b.add(n0, u.i64(c)), N)):
                 whole = b.shuffle_vector(b.load(accs[c][0]), b.load(accs[c][1]),
