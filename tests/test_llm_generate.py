@@ -157,7 +157,7 @@ def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, th
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"])
 def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights, tmp_path):
     """matvec="q8" changes decode steps only (the prompt's rows stay exact) and its logits
     stay within the activation rounding's reach of the exact ones; on a host without AVX2 it

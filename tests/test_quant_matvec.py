@@ -302,7 +302,7 @@ def test_bad_input(ctx1):
 # ---------------------------------------------------------------------------------------------
 # dot_q8: the activation row rounded to 8 bits per 32-block, integer dots (codegen/quant_q8.py)
 
-Q8 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k"]
+Q8 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]
 Q8_SHAPES = [(1536, 576), (576, 1536), (37, 128), (9, 160), (6, 224), (5, 96 * 4)]
 Q8_K_SHAPES = [(1536, 768), (768, 1536), (37, 256), (5, 512)]   # K-quants: K a multiple of 256
 needs_q8 = pytest.mark.skipif(not xq.quant_q8.available(),
@@ -349,7 +349,8 @@ def random_blocks(rng, N, K, fmt):
     raw = rng.integers(0, 256, (N, K // bs, nbytes), dtype=np.uint8)
     nscale = 2 if fmt in ("q4_1", "q5_1", "q4_k") else 1
     sc = (rng.standard_normal((N, K // bs, nscale)) * 0.05).astype(np.float16)
-    raw[:, :, :2 * nscale] = sc.view(np.uint8).reshape(N, K // bs, 2 * nscale)
+    at = nbytes - 2 if fmt == "q6_k" else 0         # q6_k's d closes its block
+    raw[:, :, at:at + 2 * nscale] = sc.view(np.uint8).reshape(N, K // bs, 2 * nscale)
     return raw.reshape(N, -1)
 
 
@@ -373,7 +374,8 @@ def q8_model(xa, raw, N, K, fmt):
     lane l of 16 (lanes 0-7 block 2p, 8-15 block 2p + 1; a lone last block's partner has no
     codes and d = m = 0): acc = fma(dot, d·dx, acc), acc = fma(m (q4_1, q5_1) | d, sx', acc)
     with sx' = sx (q4_1, q5_1) or sx·(-8 | -16 | -128), then the halving lane tree. q4_k's
-    32-value sub-blocks are blocks with d = d·sc and m = −dmin·m (ggml's 6-bit scales)."""
+    32-value sub-blocks are blocks with d = d·sc and m = −dmin·m (ggml's 6-bit scales); q6_k's
+    have signed codes q − 32, d = d·sc per group of 16 (lanes 0-3, 4-7) and no second FMA."""
     from fractions import Fraction as F
 
     f32 = np.float32
@@ -395,7 +397,18 @@ def q8_model(xa, raw, N, K, fmt):
     with_m = fmt in ("q4_1", "q5_1")
 
     def block(n, j):
-        """(32 unsigned codes, d, m) of 32-value block j of row n."""
+        """(32 codes, d, m) of 32-value block j of row n: d per lane or one for all, m None
+        where there is no zero-point term."""
+        if fmt == "q6_k":
+            sup, s8 = divmod(j, 8)
+            hh, sub = divmod(s8, 4)
+            blk = rows[n, sup * nbytes:(sup + 1) * nbytes]
+            ql = blk[64 * hh + 32 * (sub % 2):64 * hh + 32 * (sub % 2) + 32].astype(np.int64)
+            qh = blk[128 + 32 * hh:160 + 32 * hh].astype(np.int64)
+            codes = ((ql >> 4 * (sub // 2)) & 15 | ((qh >> 2 * sub) & 3) << 4) - 32
+            sc = blk[192 + 8 * hh:200 + 8 * hh].view(np.int8)
+            d = f32(blk[208:210].view(np.float16)[0])
+            return codes, [f32(d * f32(sc[2 * sub + l // 4])) for l in range(8)], None
         if fmt == "q4_k":
             sup, sub = divmod(j, 8)
             blk = rows[n, sup * nbytes:(sup + 1) * nbytes]
@@ -431,6 +444,7 @@ def q8_model(xa, raw, N, K, fmt):
                     lane = 8 * h + l
                     if j < nblk:
                         codes, d, m = block(n, j)
+                        d = d[l] if isinstance(d, list) else d
                         dot = int((codes[4 * l:4 * l + 4] * qx[8 * j + l]).sum())
                         dxl, sxl = dx[8 * j + l], (sx[j] if l == 0 else f32(0.0))
                     else:
@@ -439,7 +453,8 @@ def q8_model(xa, raw, N, K, fmt):
                     if off is not None:
                         sxl = f32(sxl * off)
                     a = f32_round(F(dot) * F(float(f32(d * dxl))) + F(float(acc[lane])))
-                    acc[lane] = f32_round(F(float(m)) * F(float(sxl)) + F(float(a)))
+                    acc[lane] = a if m is None else f32_round(F(float(m)) * F(float(sxl)) +
+                                                              F(float(a)))
         v = acc
         while len(v) > 1:
             v = [f32(a + b) for a, b in zip(v[:len(v) // 2], v[len(v) // 2:])]
@@ -467,7 +482,7 @@ def test_dot_q8_follows_its_model_bit_for_bit(ctx1, fmt):
 def test_dot_q8_falls_back_and_refuses(ctx1):
     """Weights it does not serve (other formats, rows under 128 values) take the exact dot;
     gradients and more than one row are refused."""
-    for fmt, K in (("q6_k", 256), ("q4_0", 96), ("f32", 128)):
+    for fmt, K in (("q2_k", 256), ("q4_0", 96), ("f32", 128)):
         if fmt == "f32":
             w = ctx1.tensor(rnd(7, K), ("o", "i"))
         else:

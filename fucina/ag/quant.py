@@ -205,10 +205,11 @@ class QuantMethods:
 
     def dot_q8(self, w, tag: str):
         """self.dot(w, tag) for one row of activations against a q4_0 / q4_1 / q5_0 / q5_1 /
-        q8_0 / q4_k weight, the row rounded to 8 bits per group of 4 values and multiplied by integer
-        dots (ggml's decode fast path; fucina/codegen/quant_q8.py): each activation is off by
-        at most 1/254 of its group's largest |x|. Inference only; other weight dtypes, rows of fewer
-        than 128 values and hosts without AVX2 get the exact dot."""
+        q8_0 / q4_k / q6_k weight, the row rounded to 8 bits per group of 4 values and
+        multiplied by integer dots (ggml's decode fast path; fucina/codegen/quant_q8.py): each
+        activation is off by at most 1/254 of its group's largest |x|. Inference only; other
+        weight dtypes, rows of fewer than 128 values and hosts without AVX2 get the exact
+        dot."""
         op = "dot_q8"
         r, wr = self._live(op), w._live(op)
         same_ctx(op, self, w)

@@ -1,5 +1,5 @@
-"""The 8-bit-activation matvec of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q4_k weights: one row of x
-against a quantized w as integer dot products (ggml's decode fast path): q4_0 / q4_1 / q8_0 in whole
+"""The 8-bit-activation matvec of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q4_k / q6_k weights: one row
+of x against a quantized w as integer dot products (ggml's decode fast path): q4_0 / q4_1 / q8_0 in whole
 pairs of blocks with AVX-512 VNNI + VBMI, every format a block at a time with AVX2
 (_q8_gemv_halves), the same bits either way.
 
@@ -45,7 +45,7 @@ from .quant import FORMATS
 from .rows import fadd
 from .target import host
 
-FMTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")
+FMTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")
 WHOLE = ("q4_0", "q4_1", "q8_0")   # with whole pairs on AVX-512; the others in halves anywhere
 PAIR = 192          # bytes of the q8_row buffer per pair of blocks
 PREFETCH_ITEMS = 4  # the gemv prefetches the rows this many items ahead
@@ -271,7 +271,8 @@ def _q8_gemv_halves(key, b, args, c0, c1):
     broadcast, an OR with every bit but the lane's own, a compare with all ones) and are then
     q4_0 / q4_1 with 32 codes and zero point 16. q4_k's superblocks are 8 such blocks of 32
     (a pair: the low and the high nibbles of 32 code bytes), with d = d·sc and m = −dmin·m of
-    ggml's 6-bit scales, decoded for all 8 at once per superblock and row (k_scales)."""
+    ggml's 6-bit scales, decoded for all 8 at once per superblock and row (k_scales); q6_k's
+    are signed codes q − 32 (signed_dot, no zero-point term) under d·sc per 16 values."""
     f8, i8x32 = _v(u.F32, 8), _v(u.I8, 32)
     CN = key.cols
     bs, nbytes = FORMATS[key.fmt]
@@ -331,10 +332,7 @@ def _q8_gemv_halves(key, b, args, c0, c1):
                 lit = b.icmp_unsigned("==", b.or_(qh, others), u.const(i8x32, -1))
                 q = b.or_(q, b.and_(b.sext(lit, i8x32), u.const(i8x32, 16)))
             return madd(q, xq)
-        v = load(b.add(at, u.i64(qoff)), i8x32)
-        sign = "llvm.x86.avx2.psign.b"
-        mag = u.intrinsic(b, sign, i8x32, [v, v], types=[])
-        return b.add(madd(mag, u.intrinsic(b, sign, i8x32, [xq, v], types=[])), xs)
+        return b.add(signed_dot(load(b.add(at, u.i64(qoff)), i8x32), xq), xs)
 
     def x_half(p, h):
         """(x's bytes, dx, sx·offset) of block 2p + h from the q8_row buffer."""
@@ -345,10 +343,38 @@ def _q8_gemv_halves(key, b, args, c0, c1):
         return xq, dx, (sx if offset is None else b.fmul(sx, u.const(f8, offset)))
 
     def step(c, h, dot, d, m, dx, sx):
-        """The whole-pair kernel's two FMAs on lanes 8h .. 8h + 7 of output c."""
+        """The whole-pair kernel's two FMAs on lanes 8h .. 8h + 7 of output c (m None: the
+        first alone, q6_k's signed codes having no zero point)."""
         acc = b.load(accs[c][h])
         acc = u.intrinsic(b, "llvm.fma", f8, [dot, b.fmul(d, dx), acc])
-        b.store(u.intrinsic(b, "llvm.fma", f8, [m, sx, acc]), accs[c][h])
+        if m is not None:
+            acc = u.intrinsic(b, "llvm.fma", f8, [m, sx, acc])
+        b.store(acc, accs[c][h])
+
+    def signed_dot(v, xq):
+        """Σ of the four products of signed code bytes v and x's bytes per lane: magnitudes
+        times x's bytes carrying the codes' signs (vpmaddubsw's unsigned side)."""
+        sign = "llvm.x86.avx2.psign.b"
+        return madd(u.intrinsic(b, sign, i8x32, [v, v], types=[]),
+                    u.intrinsic(b, sign, i8x32, [xq, v], types=[]))
+
+    def q6_scales(at, hh):
+        """q6_k: d·sc of the 8 int8 scales of 128-value half hh, one per lane (exact)."""
+        sc = b.sext(load(b.add(at, u.i64(192 + 8 * hh)), _v(u.I8, 8)), _v(u.I32, 8))
+        d = b.fpext(u.splat(b, load(b.add(at, u.i64(208)), u.F16), 8), f8)
+        return b.fmul(d, b.sitofp(sc, f8))
+
+    def q6_codes(at, hh, sub):
+        """q6_k: sub-block `sub` (0-3) of 128-value half hh as signed bytes q − 32: four bits
+        from ql (low or high nibbles of one of its 32-byte rows), two from qh (bits 2·sub)."""
+        def shifted(v, k):
+            return v if k == 0 else b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 16)),
+                                                     u.const(_v(u.I16, 16), k)), i8x32)
+        ql = load(b.add(at, u.i64(64 * hh + 32 * (sub % 2))), i8x32)
+        qh = load(b.add(at, u.i64(128 + 32 * hh)), i8x32)
+        lo = b.and_(shifted(ql, 4 * (sub // 2)), u.const(i8x32, 15))
+        hi = b.shl(b.and_(shifted(qh, 2 * sub), u.const(i8x32, 3)), u.const(i8x32, 4))
+        return b.sub(b.or_(lo, hi), u.const(i8x32, 32))
 
     def k_scales(at):
         """q4_k: the 8 sub-blocks' d·sc and −dmin·m of the superblock at `at` as two 8-lane
@@ -369,26 +395,37 @@ def _q8_gemv_halves(key, b, args, c0, c1):
         return b.fmul(d, b.sitofp(sc, f8)), b.fneg(b.fmul(dmin, b.sitofp(mn, f8)))
 
     def kquant(sb, rows):
-        """Superblock sb of every row: its 4 pairs of 32-value sub-blocks, the low nibbles of
-        32 code bytes for the first of each pair, their high nibbles for the second."""
+        """Superblock sb of every row as 4 pairs of 32-value sub-blocks. q4_k: the low
+        nibbles of 32 code bytes for the first of each pair, their high nibbles for the
+        second; q6_k: sub-block 4·hh + sub of ggml's two 128-value halves, its lanes 0-3 and
+        4-7 under scales 2·sub and 2·sub + 1 of the half."""
         scales = []
         for c in range(CN):
             at = b.add(rows[c], b.mul(sb, u.i64(nbytes)))
             for off in range(0, nbytes, 64):
                 u.prefetch(b, w, b.add(b.add(at, ahead), u.i64(off)), "bool")
-            scales.append((at, *k_scales(at)))
+            scales.append((at, *(k_scales(at) if key.fmt == "q4_k" else
+                                 (q6_scales(at, 0), q6_scales(at, 1)))))
         for lp in range(4):
             p = b.add(b.mul(sb, u.i64(4)), u.i64(lp))
             for h in (0, 1):
                 xq, dx, sx = x_half(p, h)
-                j = ir.Constant(_v(u.I32, 8), [2 * lp + h] * 8)
-                for c, (at, ds, dm) in enumerate(scales):
+                s8 = 2 * lp + h
+                for c, (at, s0, s1) in enumerate(scales):
+                    if key.fmt == "q6_k":
+                        hh, sub = divmod(s8, 4)
+                        ds = [s0, s1][hh]
+                        lanes = ir.Constant(_v(u.I32, 8), [2 * sub] * 4 + [2 * sub + 1] * 4)
+                        dot = b.sitofp(signed_dot(q6_codes(at, hh, sub), xq), f8)
+                        step(c, h, dot, b.shuffle_vector(ds, ds, lanes), None, dx, sx)
+                        continue
                     v = load(b.add(at, u.i64(16 + 32 * lp)), i8x32)
                     if h:
                         v = b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 16)),
                                              u.const(_v(u.I16, 16), 4)), i8x32)
                     dot = b.sitofp(madd(b.and_(v, u.const(i8x32, 15)), xq), f8)
-                    step(c, h, dot, b.shuffle_vector(ds, ds, j), b.shuffle_vector(dm, dm, j),
+                    j = ir.Constant(_v(u.I32, 8), [s8] * 8)
+                    step(c, h, dot, b.shuffle_vector(s0, s0, j), b.shuffle_vector(s1, s1, j),
                          dx, sx)
 
     def pair(p, rows, lone=False):
