@@ -279,15 +279,16 @@ def storage_bits(raw):
     return a.view({8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}[a.itemsize])
 
 
-def check_tiled(monkeypatch, fn, want, payloads=True):
+def check_tiled(monkeypatch, fn, want, payloads=True, walk="_tile_axes"):
     """fn() -> a raw result: equal to numpy's `want` (NaNs alike) and, bit for bit, to the
-    in-order kernel's result, NaN payloads included unless `payloads` is False: from two NaN
-    operands x86 returns the first source's payload, and LLVM may commute an fadd, so which
-    one comes out is the instruction selector's choice in any kernel."""
+    in-order kernel's result (the `walk` planner switched off: the tiles, or _walk_order's
+    reordered axes), NaN payloads included unless `payloads` is False: from two NaN operands
+    x86 returns the first source's payload, and LLVM may commute an fadd, so which one comes
+    out is the instruction selector's choice in any kernel."""
     got = fn()
     assert_bitwise(got.to_numpy(), want)
     with monkeypatch.context() as m:
-        m.setattr(ew, "_tile_axes", lambda shape, strides: None)
+        m.setattr(ew, walk, lambda shape, strides: None)
         m.setattr(ew, "_plans", {})
         m.setattr(ew, "_runs", {})
         ref = fn()
@@ -477,16 +478,7 @@ def test_row_streams_of_a_walk():
 
 
 def check_walk(monkeypatch, fn, want):
-    """fn() -> a raw result: equal to numpy's `want` and bit for bit to the output-order walk."""
-    got = fn()
-    assert_bitwise(got.to_numpy(), want)
-    with monkeypatch.context() as m:
-        m.setattr(ew, "_walk_order", lambda shape, strides: None)
-        m.setattr(ew, "_plans", {})
-        m.setattr(ew, "_runs", {})
-        ref = fn()
-    assert_bitwise(got.to_numpy(), ref.to_numpy())
-    return got
+    return check_tiled(monkeypatch, fn, want, walk="_walk_order")
 
 
 def test_walk_follows_the_input_when_the_output_order_scatters_its_rows(ctx, monkeypatch):
