@@ -69,8 +69,7 @@ FTZ_DAZ = 0x8040  # MXCSR: flush-to-zero (bit 15) and denormals-are-zero (bit 6)
 
 def native() -> bool:
     """The host has vdpbf16ps on 512-bit vectors (Zen 4 / Zen 5, Sapphire Rapids)."""
-    f = host().features
-    return host().vector_bits == 512 and "+avx512bf16" in f
+    return host().vector_bits == 512 and host().has("avx512bf16")
 
 
 def kc_of(native: bool) -> int:

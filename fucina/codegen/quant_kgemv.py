@@ -44,7 +44,7 @@ def available() -> bool:
     permute (AVX-512 VBMI; Zen 4 / Zen 5, Ice Lake on). On 8 lanes Narrow decodes them;
     the block decoders run elsewhere."""
     from .target import host
-    return host().f32_lanes == 16 and "+avx512vbmi" in host().features
+    return host().f32_lanes == 16 and host().has("avx512vbmi")
 
 
 def _load_bytes(b, src, off, n):

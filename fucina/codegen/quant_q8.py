@@ -51,22 +51,17 @@ PAIR = 192          # bytes of the q8_row buffer per pair of blocks
 PREFETCH_ITEMS = 4  # the gemv prefetches the rows this many items ahead
 
 
-def _has(*names) -> bool:
-    f = host().features
-    return all(f"+{x}" in f for x in names)
-
-
 @functools.lru_cache(maxsize=None)
 def whole_pairs() -> bool:
     """A pair of blocks per instruction: AVX-512 VNNI and VBMI (Zen 4 / Zen 5)."""
-    return _has("avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
+    return host().has("avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
 
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """The host runs these kernels: whole pairs (whole_pairs), or AVX2 with F16C and FMA,
     a block (8 lanes) at a time through vpmaddubsw / vpmaddwd."""
-    return whole_pairs() or _has("avx2", "fma", "f16c")
+    return whole_pairs() or host().has("avx2", "fma", "f16c")
 
 
 def _v(elem, n):

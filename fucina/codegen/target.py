@@ -26,6 +26,12 @@ class Target:
         Register-blocked tiles size their accumulators to it (more spill to the stack)."""
         return 32 if self.vector_bits >= 512 else 16
 
+    def has(self, *names) -> bool:
+        """Every named CPU feature is enabled: whole entries of the feature list ("+fma" is
+        not "+fma4")."""
+        enabled = set(self.features.split(","))
+        return all(f"+{n}" in enabled for n in names)
+
     @property
     def mask_registers(self) -> bool:
         """AVX-512's k registers: a masked store is as cheap as a plain one. Without them
