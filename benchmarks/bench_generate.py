@@ -13,7 +13,7 @@ first new token; decode = the following tokens / their time. Runs alternate (Fuc
 transformers, ...), medians of the runs. The warm-up call leaves each LM its decode plan
 (recorded steps replayed from C, fucina/exec/plan.py), as a serving process has it after its
 first reply. Each decode is also measured with `matvec="q8"` (8-bit activation rows, integer
-dots for the q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q4_k / q6_k matrices: SmolLM2's layers and
+dots for the q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q2_k .. q6_k matrices: SmolLM2's layers and
 head, the Q4_K_M files' layers and q8_0 heads; opt-in: not the exact product). Each prefill row gives its matrix work and the
 bound on this host: transformers' prefill time over that work at our 1024³ f32 GEMM rate.
 

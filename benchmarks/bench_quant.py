@@ -14,6 +14,12 @@ the f32 GEMM's packed panels), for q4_k and q8_0. The PyTorch competitor is what
 with a GGUF weight runs: dequantize (the torch-ops decode above) then `x @ w.T`; the notes add
 PyTorch's matmul alone on a weight dequantized beforehand and Fucina's own f32 GEMM on the
 dequantized weight (`x.dot(w_f32)`). Target: at least as fast as dequantize-then-matmul.
+
+Quantized matvec rows: one token against SmolLM2 / Qwen2.5-0.5B-sized matrices of every GGUF
+format, against torch F.linear on the dequantized f32 weight; each format once more through
+`Tensor.dot_q8` (8-bit activation rows, integer dots: `fu.llm.load(matvec="q8")`'s decode
+path), with our exact matvec timed in the same blocks — opt-in and not the exact product, so
+no target.
 """
 from __future__ import annotations
 
@@ -197,6 +203,7 @@ def _matvec(threads: int, quick: bool) -> list[dict]:
     their % of the STREAM reference bandwidth measured in this process (read + write)."""
     import fucina as fu
     from fucina.codegen.quant import FORMATS
+    from fucina.exec import quant as xq
 
     torch = c.torch()
     rng = np.random.default_rng(2)
@@ -218,18 +225,24 @@ def _matvec(threads: int, quick: bool) -> list[dict]:
                 for label, w in layouts:
                     out.append(_matvec_row(threads, quick, torch, bw, x, xa, w, q, fmt, N, K,
                                            label))
+                if xq.q8_fits(q._raw):   # fu.llm.load(matvec="q8")'s decode dots
+                    out.append(_matvec_row(threads, quick, torch, bw, x, xa, q, q, fmt, N, K,
+                                           ", dot_q8 (8-bit activations)", q8=True))
     finally:
         ctx.close()
     return out
 
 
-def _matvec_row(threads, quick, torch, bw, x, xa, w, q, fmt, N, K, label):
-    """One matvec row: w is q (as stored) or its for_matvec copy."""
+def _matvec_row(threads, quick, torch, bw, x, xa, w, q, fmt, N, K, label, q8=False):
+    """One matvec row: w is q (as stored) or its for_matvec copy; q8: Tensor.dot_q8 (opt-in,
+    not the exact product: no target), our exact matvec timed in the same blocks."""
     from fucina.codegen.quant import FORMATS
 
     bs, bb = FORMATS[fmt]
     env = {"x": x, "q": w}
     stmts = {"fucina": "x.dot(q, 'in')"}
+    if q8:
+        stmts = {"fucina": "x.dot_q8(q, 'in')", "exact": "x.dot(q, 'in')"}
     if torch is not None:
         env.update(F=torch.nn.functional, tx=torch.from_numpy(xa),
                    tw=torch.from_numpy(q.to("f32").numpy()))
@@ -241,11 +254,15 @@ def _matvec_row(threads, quick, torch, bw, x, xa, w, q, fmt, N, K, label):
                          repeats=5 if quick else 9, block_s=0.03 if quick else 0.1)
     nbytes = N * K // bs * bb
     gbs = nbytes / t["fucina"].median
+    note = (f"{gbs / 1e9:.1f} GB/s of blocks = {100 * gbs / bw:.0f} % of the STREAM scale "
+            f"reference {bw / 1e9:.1f} GB/s; torch = F.linear on the dequantized f32 weight")
+    if q8:
+        ex = t["exact"].median
+        note += (f"; our exact matvec {ex * 1e6:.1f} µs in the same blocks: q8 "
+                 f"{ex / t['fucina'].median:.2f}x it; opt-in, not the exact product: no target")
     return c.vs_torch(GROUP, f"matvec x[1, {K}] · {fmt} w[{N}, {K}]ᵀ{label}", threads,
-                      t["fucina"], t.get("torch"), load, target="≥ PyTorch F.linear",
-                      note=f"{gbs / 1e9:.1f} GB/s of blocks = {100 * gbs / bw:.0f} % "
-                           f"of the STREAM scale reference {bw / 1e9:.1f} GB/s; "
-                           f"torch = F.linear on the dequantized f32 weight")
+                      t["fucina"], t.get("torch"), load,
+                      target="" if q8 else "≥ PyTorch F.linear", note=note)
 
 
 def rows(quick: bool = False) -> list[dict]:

@@ -19,7 +19,8 @@ ENCODED_ELSEWHERE = ("q4_0", "q4_1")   # fucina decodes these but has no encoder
 
 def requantized(src, dst, fmt):
     """The GGUF at `src` with its matrices re-encoded as `fmt` by the gguf package (ggml's
-    reference quantizer, test-only), the rest verbatim."""
+    reference quantizer, test-only; the K-quants it lacks by test_quant_matmul.blocks_for),
+    the rest verbatim."""
     gg = pytest.importorskip("gguf")
     from fucina.ag.tensor import Tensor
     from fucina.exec import quant as xq
@@ -29,8 +30,13 @@ def requantized(src, dst, fmt):
         out = {}
         for name, t in f.tensors.items():
             if len(t.shape) == 2:
-                blocks = gg.quants.quantize(t.numpy().astype(np.float32),
-                                            getattr(gg.GGMLQuantizationType, fmt.upper()))
+                rows = t.numpy().astype(np.float32)
+                try:
+                    blocks = gg.quants.quantize(rows, getattr(gg.GGMLQuantizationType,
+                                                              fmt.upper()))
+                except NotImplementedError:
+                    from test_quant_matmul import blocks_for
+                    blocks = blocks_for(rows, fmt)
                 t = Tensor(xq.from_bytes(t._raw.ctx, blocks.tobytes(), t.shape, fmt), t.tags)
             out[name] = t
         fu.gguf.write(dst, out, f.metadata)
@@ -157,7 +163,8 @@ def test_replayed_decode_steps_give_the_eager_bits(models, arch, weights, kv, th
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
+                                     "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
 def test_q8_matvec_decode_stays_near_the_exact_logits(models, weights, tmp_path):
     """matvec="q8" changes decode steps only (the prompt's rows stay exact) and its logits
     stay within the activation rounding's reach of the exact ones; on a host without AVX2 it

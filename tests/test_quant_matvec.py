@@ -302,7 +302,7 @@ def test_bad_input(ctx1):
 # ---------------------------------------------------------------------------------------------
 # dot_q8: the activation row rounded to 8 bits per 32-block, integer dots (codegen/quant_q8.py)
 
-Q8 = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k"]
+Q8 = GGUF_LLM
 Q8_SHAPES = [(1536, 576), (576, 1536), (37, 128), (9, 160), (6, 224), (5, 96 * 4)]
 Q8_K_SHAPES = [(1536, 768), (768, 1536), (37, 256), (5, 512)]   # K-quants: K a multiple of 256
 needs_q8 = pytest.mark.skipif(not xq.quant_q8.available(),
@@ -342,14 +342,18 @@ def test_dot_q8_is_the_product_with_the_rounded_row(ctx1, ctx2, fmt, N, K):
     assert np.all(np.abs(got[0] - exact) <= bound * 1.001 + 1e-6)
 
 
+# (byte offset, count) of a block's f16 scales: d, then dmin / m where there is one
+SCALES_AT = {"q4_1": (0, 2), "q5_1": (0, 2), "q2_k": (80, 2), "q3_k": (108, 1),
+             "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208, 1)}
+
+
 def random_blocks(rng, N, K, fmt):
     """[N, K] blocks of random code bytes (every code, q8_0's -128 included) with random
-    finite f16 scales (and q4_1 / q5_1 mins, q4_k's d and dmin) of both signs."""
+    finite f16 scales (and mins) of both signs."""
     bs, nbytes = FORMATS[fmt]
     raw = rng.integers(0, 256, (N, K // bs, nbytes), dtype=np.uint8)
-    nscale = 2 if fmt in ("q4_1", "q5_1", "q4_k") else 1
+    at, nscale = SCALES_AT.get(fmt, (0, 1))
     sc = (rng.standard_normal((N, K // bs, nscale)) * 0.05).astype(np.float16)
-    at = nbytes - 2 if fmt == "q6_k" else 0         # q6_k's d closes its block
     raw[:, :, at:at + 2 * nscale] = sc.view(np.uint8).reshape(N, K // bs, 2 * nscale)
     return raw.reshape(N, -1)
 
@@ -373,9 +377,11 @@ def q8_model(xa, raw, N, K, fmt):
     (Fractions): x's bytes, dx and sx as q8_row makes them; per output, per pair of blocks, per
     lane l of 16 (lanes 0-7 block 2p, 8-15 block 2p + 1; a lone last block's partner has no
     codes and d = m = 0): acc = fma(dot, d·dx, acc), acc = fma(m (q4_1, q5_1) | d, sx', acc)
-    with sx' = sx (q4_1, q5_1) or sx·(-8 | -16 | -128), then the halving lane tree. q4_k's
-    32-value sub-blocks are blocks with d = d·sc and m = −dmin·m (ggml's 6-bit scales); q6_k's
-    have signed codes q − 32, d = d·sc per group of 16 (lanes 0-3, 4-7) and no second FMA."""
+    with sx' = sx (q4_1, q5_1) or sx·(-8 | -16 | -128), then the halving lane tree. q4_k's and
+    q5_k's 32-value sub-blocks are blocks with d = d·sc and m = −dmin·m (ggml's 6-bit scales);
+    q6_k's and q3_k's have signed codes (q − 32, q − 4), d = d·sc per group of 16 (lanes 0-3,
+    4-7) and no second FMA; q2_k's have d = d·sc and m = −dmin·m per group of 16, the second
+    FMA being fma(m·dx, the lane's Σ of x's bytes, acc)."""
     from fractions import Fraction as F
 
     f32 = np.float32
@@ -409,7 +415,7 @@ def q8_model(xa, raw, N, K, fmt):
             sc = blk[192 + 8 * hh:200 + 8 * hh].view(np.int8)
             d = f32(blk[208:210].view(np.float16)[0])
             return codes, [f32(d * f32(sc[2 * sub + l // 4])) for l in range(8)], None
-        if fmt == "q4_k":
+        if fmt in ("q4_k", "q5_k"):
             sup, sub = divmod(j, 8)
             blk = rows[n, sup * nbytes:(sup + 1) * nbytes]
             d, dmin = (f32(v) for v in blk[:4].view(np.float16))
@@ -419,8 +425,30 @@ def q8_model(xa, raw, N, K, fmt):
             else:
                 sc = (s[sub + 4] & 15) | (s[sub - 4] >> 6) << 4
                 mn = (s[sub + 4] >> 4) | (s[sub] >> 6) << 4
-            q = blk[16 + 32 * (sub // 2):48 + 32 * (sub // 2)].astype(np.int64)
-            return (q >> 4 if sub % 2 else q & 15), f32(d * f32(sc)), -f32(dmin * f32(mn))
+            at = (16 if fmt == "q4_k" else 48) + 32 * (sub // 2)
+            q = blk[at:at + 32].astype(np.int64)
+            codes = q >> 4 if sub % 2 else q & 15
+            if fmt == "q5_k":       # bit sub of qh's byte l: element l's fifth
+                codes |= (blk[16:48].astype(np.int64) >> sub & 1) << 4
+            return codes, f32(d * f32(sc)), -f32(dmin * f32(mn))
+        if fmt in ("q2_k", "q3_k"):
+            sup, s8 = divmod(j, 8)
+            hh, sub = divmod(s8, 4)
+            blk = rows[n, sup * nbytes:(sup + 1) * nbytes]
+            at = (16 if fmt == "q2_k" else 32) + 32 * hh
+            codes = blk[at:at + 32].astype(np.int64) >> 2 * sub & 3
+            idx = [8 * hh + 2 * sub + l // 4 for l in range(8)]     # the lanes' scales
+            if fmt == "q2_k":
+                d, dmin = (f32(v) for v in blk[80:84].view(np.float16))
+                s = blk[:16].astype(np.int64)
+                return (codes, [f32(d * f32(s[i] & 15)) for i in idx],
+                        [-f32(dmin * f32(s[i] >> 4)) for i in idx])
+            codes = codes + 4 * (blk[:32].astype(np.int64) >> s8 & 1) - 4
+            s = blk[96:108].astype(np.int64)    # scale i: low 4 bits, high 2 bits
+            sc = [(s[i % 8] >> 4 * (i // 8) & 15 | (s[8 + i % 4] >> 2 * (i // 4) & 3) << 4) - 32
+                  for i in idx]
+            d = f32(blk[108:110].view(np.float16)[0])
+            return codes, [f32(d * f32(v)) for v in sc], None
         blk = rows[n, j * nbytes:(j + 1) * nbytes]
         d = f32(blk[:2].view(np.float16)[0])
         m = f32(blk[2:4].view(np.float16)[0]) if with_m else d
@@ -447,6 +475,8 @@ def q8_model(xa, raw, N, K, fmt):
                         d = d[l] if isinstance(d, list) else d
                         dot = int((codes[4 * l:4 * l + 4] * qx[8 * j + l]).sum())
                         dxl, sxl = dx[8 * j + l], (sx[j] if l == 0 else f32(0.0))
+                        if isinstance(m, list):     # q2_k: m·dx against the lane's Σ q_x
+                            m, sxl = f32(m[l] * dxl), f32(qx[8 * j + l].sum())
                     else:
                         d = m = f32(0.0)
                         dot, dxl, sxl = 0, f32(0.0), f32(0.0)
@@ -482,7 +512,7 @@ def test_dot_q8_follows_its_model_bit_for_bit(ctx1, fmt):
 def test_dot_q8_falls_back_and_refuses(ctx1):
     """Weights it does not serve (other formats, rows under 128 values) take the exact dot;
     gradients and more than one row are refused."""
-    for fmt, K in (("q2_k", 256), ("q4_0", 96), ("f32", 128)):
+    for fmt, K in (("tq2_0", 256), ("q4_0", 96), ("f32", 128)):
         if fmt == "f32":
             w = ctx1.tensor(rnd(7, K), ("o", "i"))
         else:

@@ -11,7 +11,6 @@ backward for x alone, dx = g · dequant(w) (w decoded at backward time, then the
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
@@ -52,6 +51,17 @@ def quantized_dot(x, w, tag: str):
     cost a lookup, not the checks (12.5 -> ~5 µs a call at one token)."""
     op = "dot"
     xr, wr = x._raw, w._raw
+    rows, (perm, _, oshape, ostrides, tags) = _dot_plan(op, x, w, tag)
+    out = xq.matmul(xr.ctx, rows, wr).view(oshape, ostrides)
+    saved = (xr.ctx, wr, perm, xr.shape)
+    return finish_op(op, out, tags, (x,), lambda needs: functools.partial(_dx, saved))
+
+
+def _dot_plan(op, x, w, tag):
+    """(x's rows [M, K] with unit stride along K, (perm, the rows' view of x or None, the
+    result's shape, strides and tags)) of x.dot(w, tag), checked on the first call for its
+    key and remembered (_dots)."""
+    xr, wr = x._raw, w._raw
     key = (x.tags, xr.lay, w.tags, wr.lay, tag)
     hit = _dots.get(key)
     if hit is None or needs_graph(w):
@@ -61,14 +71,10 @@ def quantized_dot(x, w, tag: str):
         lead = tuple(xr.shape[i] for i in perm[:-1])
         oshape = lead + (wr.shape[0],)
         tags = tuple(x.tags[i] for i in perm[:-1]) + (free,)
-        ostrides = contiguous_strides(oshape)
-        _dots[key] = (perm, view, oshape, ostrides, tags)
-    else:
-        perm, view, oshape, ostrides, tags = hit
-        rows = xr.view(*view) if view is not None else _rows(xr.ctx, xr.permute(perm))
-    out = xq.matmul(xr.ctx, rows, wr).view(oshape, ostrides)
-    saved = (xr.ctx, wr, perm, xr.shape)
-    return finish_op(op, out, tags, (x,), lambda needs: functools.partial(_dx, saved))
+        _dots[key] = hit = (perm, view, oshape, contiguous_strides(oshape), tags)
+        return rows, hit
+    perm, view = hit[:2]
+    return (xr.view(*view) if view is not None else _rows(xr.ctx, xr.permute(perm))), hit
 
 
 def _check_dot(op, x, w, tag):
@@ -205,7 +211,7 @@ class QuantMethods:
 
     def dot_q8(self, w, tag: str):
         """self.dot(w, tag) for one row of activations against a q4_0 / q4_1 / q5_0 / q5_1 /
-        q8_0 / q4_k / q6_k weight, the row rounded to 8 bits per group of 4 values and
+        q8_0 / q2_k .. q6_k weight, the row rounded to 8 bits per group of 4 values and
         multiplied by integer dots (ggml's decode fast path; fucina/codegen/quant_q8.py): each
         activation is off by at most 1/254 of its group's largest |x|. Inference only; other
         weight dtypes, rows of fewer than 128 values and hosts without AVX2 get the exact
@@ -218,15 +224,11 @@ class QuantMethods:
         if needs_graph(self):
             raise UnsupportedGradient(f"{op}: inference only; expected an operand that does not "
                                       f"require grad (use fu.no_grad())")
-        free, perm = _check_dot(op, self, w, tag)
-        lead = tuple(r.shape[i] for i in perm[:-1])
-        if math.prod(lead) != 1:
+        row, (_, _, oshape, ostrides, tags) = _dot_plan(op, self, w, tag)
+        if row.shape[0] != 1:
             raise ShapeMismatch(f"{op}: expected one row of activations (every axis but "
                                 f"{tag!r} of size 1), got shape {r.shape} tags {self.tags}")
-        row = _rows(r.ctx, r.permute(perm))
-        out = xq.matvec_q8(r.ctx, row, wr)
-        out = out.view(lead + (wr.shape[0],), contiguous_strides(lead + (wr.shape[0],)))
-        return self._result(out, tuple(self.tags[i] for i in perm[:-1]) + (free,))
+        return self._result(xq.matvec_q8(r.ctx, row, wr).view(oshape, ostrides), tags)
 
     def concat(self, tag: str, *others):
         """Join along the existing axis `tag`. Quantized operands: all of self's dtype and tags

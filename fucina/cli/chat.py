@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32")
     ap.add_argument("--matvec", choices=("exact", "q8"), default="exact",
                     help="q8: decode steps round activations to 8 bits per block for integer "
-                         "dots with q4_0/q4_1/q5_0/q5_1/q8_0/q4_k/q6_k weights (not exact; "
+                         "dots with q4_0/q4_1/q5_0/q5_1/q8_0/q2_k..q6_k weights (not exact; "
                          "1.2-1.5x the exact decode on AVX2 CPUs such as Zen 3, no faster on "
                          "Zen 5)")
     return ap

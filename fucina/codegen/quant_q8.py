@@ -1,7 +1,7 @@
-"""The 8-bit-activation matvec of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q4_k / q6_k weights: one row
-of x against a quantized w as integer dot products (ggml's decode fast path): q4_0 / q4_1 / q8_0 in whole
-pairs of blocks with AVX-512 VNNI + VBMI, every format a block at a time with AVX2
-(_q8_gemv_halves), the same bits either way.
+"""The 8-bit-activation matvec of q4_0 / q4_1 / q5_0 / q5_1 / q8_0 and q2_k .. q6_k weights: one
+row of x against a quantized w as integer dot products (ggml's decode fast path): q4_0 / q4_1 /
+q8_0 in whole pairs of blocks with AVX-512 VNNI + VBMI, every format a block at a time with
+AVX2 (_q8_gemv_halves), the same bits either way.
 
 A decode step multiplies one activation row by every weight matrix; decoding each block to f32
 keeps the exact kernel (quant_gemm's gemv) compute-bound. Here x is first rounded to signed
@@ -23,7 +23,8 @@ a fixed lane tree), so the bits do not depend on the thread count, nor on the ve
 with AVX2 each pair is two 8-lane halves with the same integer lanes and the same f32
 operations per lane (tests/test_quant_matvec.py's q8_model spells them out). Zen 3, one
 thread: q4_1 [1536, 576] 17-18 G weights/s against the exact gemv's 11-12, q5_0 14 against
-7.3; decode SmolLM2 Q4_1 ~1.3x, Qwen2.5-Coder-0.5B Q4_K_M (q5_0 layers, q8_0 head) ~1.5x.
+7.3, q4_k 16 / q6_k 15.5 / q5_k 14 / q2_k 14 against 10-11.5, q3_k 14.7 against 6.5; decode
+SmolLM2 Q4_1 ~1.3x, Qwen2.5-Coder-0.5B Q4_K_M (q5_0 layers, q8_0 head) ~1.5x.
 
   q8_row     x [K] f32 -> per pair of blocks 192 bytes: q_x of both blocks (64 bytes), dx per
              4-value group (16 f32, lane i for values 4i .. 4i+3 of the pair), sx of block 0 in
@@ -45,7 +46,7 @@ from .quant import FORMATS
 from .rows import fadd
 from .target import host
 
-FMTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")
+FMTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 WHOLE = ("q4_0", "q4_1", "q8_0")   # with whole pairs on AVX-512; the others in halves anywhere
 PAIR = 192          # bytes of the q8_row buffer per pair of blocks
 PREFETCH_ITEMS = 4  # the gemv prefetches the rows this many items ahead
@@ -253,22 +254,189 @@ def _q8_gemv(key, b, args, c0, c1):
                 b.store(s, b.gep(y, [b.add(n0, u.i64(c))], source_etype=u.F32))
 
 
+F8, I8X32 = _v(u.F32, 8), _v(u.I8, 32)
+
+
+def _load(b, w, at, typ):
+    v = b.load(b.gep(w, [at], source_etype=u.I8), typ=typ)
+    v.align = 1
+    return v
+
+
+def _madd(b, uq, xq):
+    """Per i32 lane the sum of its four unsigned-by-signed byte products."""
+    pairs = u.intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", _v(u.I16, 16), [uq, xq], types=[])
+    return u.intrinsic(b, "llvm.x86.avx2.pmadd.wd", _v(u.I32, 8),
+                       [pairs, u.const(_v(u.I16, 16), 1)], types=[])
+
+
+def _signed_dot(b, v, xq):
+    """Σ of the four products of signed code bytes v and x's bytes per lane: magnitudes
+    times x's bytes carrying the codes' signs (vpmaddubsw's unsigned side)."""
+    sign = "llvm.x86.avx2.psign.b"
+    return _madd(b, u.intrinsic(b, sign, I8X32, [v, v], types=[]),
+                 u.intrinsic(b, sign, I8X32, [xq, v], types=[]))
+
+
+def _shift_bytes(b, v, k):
+    """32 bytes shifted as 16 words by k bits (left for k < 0); a mask then keeps the bits
+    that stayed inside their byte."""
+    if k == 0:
+        return v
+    words = b.bitcast(v, _v(u.I16, 16))
+    op = b.lshr if k > 0 else b.shl
+    return b.bitcast(op(words, u.const(_v(u.I16, 16), abs(k))), I8X32)
+
+
+def _bit_to(b, v, bit, to):
+    """Bit `bit` of every byte of v moved to bit `to` (the rest zero)."""
+    return b.and_(_shift_bytes(b, v, bit - to), u.const(I8X32, 1 << to))
+
+
+def _f16_splat(b, w, at):
+    return b.fpext(u.splat(b, _load(b, w, at, u.F16), 8), F8)
+
+
+def _pick(b, v, lanes):
+    return b.shuffle_vector(v, v, ir.Constant(_v(u.I32, 8), lanes))
+
+
+def _sixteens(sub):
+    """The lanes of a half's 8 per-16-value scales that a 32-value sub-block reads: lanes
+    0-3 (its values 0-15) scale 2·sub, lanes 4-7 scale 2·sub + 1."""
+    return [2 * sub] * 4 + [2 * sub + 1] * 4
+
+
+def _k_scales(b, w, at):
+    """q4_k / q5_k: the 8 sub-blocks' d·sc and −dmin·m of the superblock at `at` as two
+    8-lane vectors (ggml's get_scale_min_k4 lane by lane; both products exact in f32)."""
+    s = [b.zext(v, _v(u.I32, 8)) for v in (
+        b.shuffle_vector(_load(b, w, b.add(at, u.i64(4)), _v(u.I8, 16)),
+                         ir.Constant(_v(u.I8, 16), None), ir.Constant(_v(u.I32, 8), idx))
+        for idx in ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 8, 9, 10, 11],
+                    [0, 1, 2, 3, 0, 1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7]))]
+    i32 = _v(u.I32, 8)
+    low = ir.Constant(i32, [63] * 4 + [15] * 4)
+    high = [b.and_(b.shl(b.lshr(v, u.const(i32, 6)), u.const(i32, 4)),
+                   ir.Constant(i32, [0] * 4 + [48] * 4)) for v in (s[2], s[3])]
+    sc = b.or_(b.and_(s[0], low), high[0])
+    mn = b.or_(b.and_(b.lshr(s[1], ir.Constant(i32, [0] * 4 + [4] * 4)), low), high[1])
+    d, dmin = (_f16_splat(b, w, b.add(at, u.i64(2 * i))) for i in (0, 1))
+    return b.fmul(d, b.sitofp(sc, F8)), b.fneg(b.fmul(dmin, b.sitofp(mn, F8)))
+
+
+def _q6_scales(b, w, at, hh):
+    """q6_k: d·sc of the 8 int8 scales of 128-value half hh, one per lane (exact)."""
+    sc = b.sext(_load(b, w, b.add(at, u.i64(192 + 8 * hh)), _v(u.I8, 8)), _v(u.I32, 8))
+    d = _f16_splat(b, w, b.add(at, u.i64(208)))
+    return b.fmul(d, b.sitofp(sc, F8))
+
+
+def _q3_scales(b, w, at, hh):
+    """q3_k: d·(sc − 32) of the 8 scales of 128-value half hh, one per lane (exact): scale
+    i = 8·hh + t has its low 4 bits in byte t of the 12 (its nibble hh), its high 2 in byte
+    8 + t % 4 (bits 2·(i // 4)). The 16 bytes loaded end with d, inside the block."""
+    i32 = _v(u.I32, 8)
+    v = _load(b, w, b.add(at, u.i64(94)), _v(u.I8, 16))
+    low, high = (b.zext(b.shuffle_vector(v, ir.Constant(_v(u.I8, 16), None),
+                                         ir.Constant(i32, idx)), i32)
+                 for idx in (list(range(2, 10)), [10, 11, 12, 13] * 2))
+    low = b.and_(b.lshr(low, u.const(i32, 4 * hh)), u.const(i32, 15))
+    high = b.and_(b.lshr(high, ir.Constant(i32, [4 * hh] * 4 + [4 * hh + 2] * 4)),
+                  u.const(i32, 3))
+    sc = b.sub(b.or_(low, b.shl(high, u.const(i32, 4))), u.const(i32, 32))
+    return b.fmul(_f16_splat(b, w, b.add(at, u.i64(108))), b.sitofp(sc, F8))
+
+
+def _q2_scales(b, w, at, hh):
+    """q2_k: (d·sc, −dmin·m) of the 8 scale bytes of 128-value half hh (low nibble sc,
+    high nibble m), one per lane (both products exact)."""
+    i32 = _v(u.I32, 8)
+    s = b.zext(_load(b, w, b.add(at, u.i64(8 * hh)), _v(u.I8, 8)), i32)
+    sc, mn = b.and_(s, u.const(i32, 15)), b.lshr(s, u.const(i32, 4))
+    d, dmin = (_f16_splat(b, w, b.add(at, u.i64(off))) for off in (80, 82))
+    return b.fmul(d, b.sitofp(sc, F8)), b.fneg(b.fmul(dmin, b.sitofp(mn, F8)))
+
+
+def _q6_codes(b, w, at, hh, sub):
+    """q6_k: sub-block `sub` (0-3) of 128-value half hh as signed bytes q − 32: four bits
+    from ql (low or high nibbles of one of its 32-byte rows), two from qh (bits 2·sub)."""
+    ql = _load(b, w, b.add(at, u.i64(64 * hh + 32 * (sub % 2))), I8X32)
+    qh = _load(b, w, b.add(at, u.i64(128 + 32 * hh)), I8X32)
+    lo = b.and_(_shift_bytes(b, ql, 4 * (sub // 2)), u.const(I8X32, 15))
+    hi = b.shl(b.and_(_shift_bytes(b, qh, 2 * sub), u.const(I8X32, 3)), u.const(I8X32, 4))
+    return b.sub(b.or_(lo, hi), u.const(I8X32, 32))
+
+
+class _KQuant:
+    """What the halves kernel needs of a K-quant superblock: `scales` once per superblock
+    and row, then per 32-value sub-block s8 (0-7, x's block 8·sb + s8) `sub` gives
+    (the lanes' integer dot with x's bytes as f32, d per lane, the zero-point factor m per
+    lane or None). q4_k / q5_k: m = −dmin·m of the sub-block, against the block's sx;
+    q2_k: m = −dmin·m per 16 values, against each lane's own Σ of x (per_lane)."""
+
+    def __init__(self, fmt, b, w):
+        self.fmt, self.b, self.w = fmt, b, w
+        self.per_lane = fmt == "q2_k"
+
+    def scales(self, at):
+        b, w, fmt = self.b, self.w, self.fmt
+        if fmt in ("q4_k", "q5_k"):
+            return _k_scales(b, w, at)
+        half = {"q6_k": _q6_scales, "q3_k": _q3_scales, "q2_k": _q2_scales}[fmt]
+        return tuple(half(b, w, at, hh) for hh in (0, 1))
+
+    def sub(self, at, scales, s8, xq):
+        b, w, fmt = self.b, self.w, self.fmt
+        hh, sub = divmod(s8, 4)
+        if fmt == "q6_k":
+            dot = b.sitofp(_signed_dot(b, _q6_codes(b, w, at, hh, sub), xq), F8)
+            return dot, _pick(b, scales[hh], _sixteens(sub)), None
+        if fmt == "q3_k":   # 2 bits from qs, the third from hmask bit s8: signed q − 4
+            lo = _bit_pair(b, _load(b, w, b.add(at, u.i64(32 + 32 * hh)), I8X32), 2 * sub)
+            hm = _bit_to(b, _load(b, w, at, I8X32), s8, 2)
+            codes = b.sub(b.or_(lo, hm), u.const(I8X32, 4))
+            dot = b.sitofp(_signed_dot(b, codes, xq), F8)
+            return dot, _pick(b, scales[hh], _sixteens(sub)), None
+        if fmt == "q2_k":
+            codes = _bit_pair(b, _load(b, w, b.add(at, u.i64(16 + 32 * hh)), I8X32), 2 * sub)
+            dot = b.sitofp(_madd(b, codes, xq), F8)
+            d, m = scales[hh]
+            return dot, _pick(b, d, _sixteens(sub)), _pick(b, m, _sixteens(sub))
+        # q4_k / q5_k: the low nibbles of 32 code bytes for an even s8, their high ones
+        # for an odd one; q5_k's fifth bit is bit s8 of qh's byte
+        lp, h = divmod(s8, 2)
+        v = _load(b, w, b.add(at, u.i64((16 if fmt == "q4_k" else 48) + 32 * lp)), I8X32)
+        codes = b.and_(_shift_bytes(b, v, 4 * h), u.const(I8X32, 15))
+        if fmt == "q5_k":
+            codes = b.or_(codes, _bit_to(b, _load(b, w, b.add(at, u.i64(16)), I8X32), s8, 4))
+        dot = b.sitofp(_madd(b, codes, xq), F8)
+        return dot, _pick(b, scales[0], [s8] * 8), _pick(b, scales[1], [s8] * 8)
+
+
+def _bit_pair(b, v, shift):
+    """Bits shift, shift + 1 of every byte of v as its value 0-3."""
+    return b.and_(_shift_bytes(b, v, shift), u.const(I8X32, 3))
+
+
 def _q8_gemv_halves(key, b, args, c0, c1):
     """_q8_gemv on AVX2, a pair's two blocks as two 8-lane halves (lanes 0-7 and 8-15 of the
     whole-pair kernel), with the same integer lanes and the same f32 operations per lane, so
     the same bits: a block's unsigned codes times x's bytes by vpmaddubsw (pairs of products,
-    at most 2·15·127 in int16 for the 4-bit codes) and vpmaddwd (the lane's four); q8_0's
+    at most 2·31·127 in int16 for the 5-bit codes) and vpmaddwd (the lane's four); q8_0's
     signed bytes by their magnitude times x's bytes carrying their sign (at most 2·128·127),
     plus 128·Σ x per lane (the zero point the whole-pair kernel adds through its unsigned
     codes). A lone last block's second half is the whole-pair kernel's zeroed partner: no
     codes, d = m = 0. q5_0 / q5_1 (no whole-pair kernel: these AVX2 instructions serve them
     on AVX-512 hosts too) take their fifth bit from qh into the byte lanes (qh's bytes
     broadcast, an OR with every bit but the lane's own, a compare with all ones) and are then
-    q4_0 / q4_1 with 32 codes and zero point 16. q4_k's superblocks are 8 such blocks of 32
-    (a pair: the low and the high nibbles of 32 code bytes), with d = d·sc and m = −dmin·m of
-    ggml's 6-bit scales, decoded for all 8 at once per superblock and row (k_scales); q6_k's
-    are signed codes q − 32 (signed_dot, no zero-point term) under d·sc per 16 values."""
-    f8, i8x32 = _v(u.F32, 8), _v(u.I8, 32)
+    q4_0 / q4_1 with 32 codes and zero point 16. The K-quants' superblocks are 8 sub-blocks
+    of 32 (_KQuant): q4_k / q5_k with d = d·sc and m = −dmin·m of ggml's 6-bit scales (the
+    low and the high nibbles of 32 code bytes, q5_k's fifth bit from qh), decoded for all 8
+    at once per superblock and row; q6_k's signed codes q − 32 and q3_k's q − 4 (the third
+    bit from hmask) under d·sc per 16 values (signed dots, no zero-point term); q2_k's 2-bit
+    codes under d·sc per 16 values with the zero point −dmin·m·dx per lane against the
+    lane's own Σ of x's bytes: acc = fma(dot, d·dx, acc), acc = fma(m·dx, Σq_x, acc)."""
     CN = key.cols
     bs, nbytes = FORMATS[key.fmt]
     nib = key.fmt != "q8_0"
@@ -278,34 +446,27 @@ def _q8_gemv_halves(key, b, args, c0, c1):
     qoff = hoff + (4 if fifth else 0)
     px, w, y = (u.arg_ptr(b, args, i) for i in range(3))
     N, K, per = (u.arg(b, args, i) for i in range(3, 6))
-    nblk = b.sdiv(K, u.i64(32))
-    full = b.sdiv(nblk, u.i64(2))
+    if bs == 32:
+        nblk = b.sdiv(K, u.i64(32))
+        full = b.sdiv(nblk, u.i64(2))
     row_bytes = b.mul(b.sdiv(K, u.i64(bs)), u.i64(nbytes))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
-    accs = [[u.entry_alloca(b, f8) for _ in range(2)] for _ in range(CN)]
+    accs = [[u.entry_alloca(b, F8) for _ in range(2)] for _ in range(CN)]
     offset = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": -128.0}.get(key.fmt)
-    zero8 = u.const(f8, 0.0)
-
-    def madd(uq, xq):
-        """Per i32 lane the sum of its four unsigned-by-signed byte products."""
-        pairs = u.intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", _v(u.I16, 16), [uq, xq], types=[])
-        return u.intrinsic(b, "llvm.x86.avx2.pmadd.wd", _v(u.I32, 8),
-                           [pairs, u.const(_v(u.I16, 16), 1)], types=[])
+    zero8 = u.const(F8, 0.0)
 
     def load(at, typ):
-        v = b.load(b.gep(w, [at], source_etype=u.I8), typ=typ)
-        v.align = 1
-        return v
+        return _load(b, w, at, typ)
 
     def scales(at):
         """(d, m) of the block at `at` widened, each in all 8 lanes (m: d again but for q4_1):
         one 4-byte broadcast, one vcvtph2ps and a lane duplicate each."""
         if not pair_scale:
-            d = b.fpext(u.splat(b, load(at, u.F16), 8), f8)
+            d = b.fpext(u.splat(b, load(at, u.F16), 8), F8)
             return d, d
         dm = b.fpext(b.shuffle_vector(load(at, _v(u.F16, 2)), ir.Constant(_v(u.F16, 2), None),
-                                      ir.Constant(_v(u.I32, 8), [0, 1] * 4)), f8)
+                                      ir.Constant(_v(u.I32, 8), [0, 1] * 4)), F8)
         return tuple(b.shuffle_vector(dm, dm, ir.Constant(_v(u.I32, 8), [k & ~1 | h
                                                                          for k in range(8)]))
                      for h in (0, 1))
@@ -317,124 +478,66 @@ def _q8_gemv_halves(key, b, args, c0, c1):
             hi = b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 8)), u.const(_v(u.I16, 8), 4)),
                            _v(u.I8, 16))
             q = b.and_(b.shuffle_vector(v, hi, ir.Constant(_v(u.I32, 32), list(range(32)))),
-                       u.const(i8x32, 15))
+                       u.const(I8X32, 15))
             if fifth:   # byte j |= 16 when bit j of qh is set
-                qh = b.bitcast(u.splat(b, load(b.add(at, u.i64(hoff)), u.I32), 8), i8x32)
+                qh = b.bitcast(u.splat(b, load(b.add(at, u.i64(hoff)), u.I32), 8), I8X32)
                 qh = b.shuffle_vector(qh, qh, ir.Constant(_v(u.I32, 32),
                                                           [16 * (j // 16) + j // 8
                                                            for j in range(32)]))
-                others = ir.Constant(i8x32, [0xFF ^ (1 << (j % 8)) for j in range(32)])
-                lit = b.icmp_unsigned("==", b.or_(qh, others), u.const(i8x32, -1))
-                q = b.or_(q, b.and_(b.sext(lit, i8x32), u.const(i8x32, 16)))
-            return madd(q, xq)
-        return b.add(signed_dot(load(b.add(at, u.i64(qoff)), i8x32), xq), xs)
+                others = ir.Constant(I8X32, [0xFF ^ (1 << (j % 8)) for j in range(32)])
+                lit = b.icmp_unsigned("==", b.or_(qh, others), u.const(I8X32, -1))
+                q = b.or_(q, b.and_(b.sext(lit, I8X32), u.const(I8X32, 16)))
+            return _madd(b, q, xq)
+        return b.add(_signed_dot(b, load(b.add(at, u.i64(qoff)), I8X32), xq), xs)
 
     def x_half(p, h):
         """(x's bytes, dx, sx·offset) of block 2p + h from the q8_row buffer."""
         pb = b.gep(px, [b.mul(p, u.i64(PAIR))], source_etype=u.I8)
-        xq = b.load(b.gep(pb, [u.i64(32 * h)], source_etype=u.I8), typ=i8x32)
-        dx = b.load(b.gep(pb, [u.i64(64 + 32 * h)], source_etype=u.I8), typ=f8)
-        sx = b.load(b.gep(pb, [u.i64(128 + 32 * h)], source_etype=u.I8), typ=f8)
-        return xq, dx, (sx if offset is None else b.fmul(sx, u.const(f8, offset)))
+        xq = b.load(b.gep(pb, [u.i64(32 * h)], source_etype=u.I8), typ=I8X32)
+        dx = b.load(b.gep(pb, [u.i64(64 + 32 * h)], source_etype=u.I8), typ=F8)
+        sx = b.load(b.gep(pb, [u.i64(128 + 32 * h)], source_etype=u.I8), typ=F8)
+        return xq, dx, (sx if offset is None else b.fmul(sx, u.const(F8, offset)))
 
     def step(c, h, dot, d, m, dx, sx):
         """The whole-pair kernel's two FMAs on lanes 8h .. 8h + 7 of output c (m None: the
-        first alone, q6_k's signed codes having no zero point)."""
+        first alone, signed codes having no zero point)."""
         acc = b.load(accs[c][h])
-        acc = u.intrinsic(b, "llvm.fma", f8, [dot, b.fmul(d, dx), acc])
+        acc = u.intrinsic(b, "llvm.fma", F8, [dot, b.fmul(d, dx), acc])
         if m is not None:
-            acc = u.intrinsic(b, "llvm.fma", f8, [m, sx, acc])
+            acc = u.intrinsic(b, "llvm.fma", F8, [m, sx, acc])
         b.store(acc, accs[c][h])
 
-    def signed_dot(v, xq):
-        """Σ of the four products of signed code bytes v and x's bytes per lane: magnitudes
-        times x's bytes carrying the codes' signs (vpmaddubsw's unsigned side)."""
-        sign = "llvm.x86.avx2.psign.b"
-        return madd(u.intrinsic(b, sign, i8x32, [v, v], types=[]),
-                    u.intrinsic(b, sign, i8x32, [xq, v], types=[]))
-
-    def q6_scales(at, hh):
-        """q6_k: d·sc of the 8 int8 scales of 128-value half hh, one per lane (exact)."""
-        sc = b.sext(load(b.add(at, u.i64(192 + 8 * hh)), _v(u.I8, 8)), _v(u.I32, 8))
-        d = b.fpext(u.splat(b, load(b.add(at, u.i64(208)), u.F16), 8), f8)
-        return b.fmul(d, b.sitofp(sc, f8))
-
-    def q6_codes(at, hh, sub):
-        """q6_k: sub-block `sub` (0-3) of 128-value half hh as signed bytes q − 32: four bits
-        from ql (low or high nibbles of one of its 32-byte rows), two from qh (bits 2·sub)."""
-        def shifted(v, k):
-            return v if k == 0 else b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 16)),
-                                                     u.const(_v(u.I16, 16), k)), i8x32)
-        ql = load(b.add(at, u.i64(64 * hh + 32 * (sub % 2))), i8x32)
-        qh = load(b.add(at, u.i64(128 + 32 * hh)), i8x32)
-        lo = b.and_(shifted(ql, 4 * (sub // 2)), u.const(i8x32, 15))
-        hi = b.shl(b.and_(shifted(qh, 2 * sub), u.const(i8x32, 3)), u.const(i8x32, 4))
-        return b.sub(b.or_(lo, hi), u.const(i8x32, 32))
-
-    def k_scales(at):
-        """q4_k: the 8 sub-blocks' d·sc and −dmin·m of the superblock at `at` as two 8-lane
-        vectors (ggml's get_scale_min_k4 lane by lane; both products exact in f32)."""
-        s = [b.zext(v, _v(u.I32, 8)) for v in (
-            b.shuffle_vector(load(b.add(at, u.i64(4)), _v(u.I8, 16)), ir.Constant(_v(u.I8, 16), None),
-                             ir.Constant(_v(u.I32, 8), idx))
-            for idx in ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 8, 9, 10, 11],
-                        [0, 1, 2, 3, 0, 1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7]))]
-        i32 = _v(u.I32, 8)
-        low = ir.Constant(i32, [63] * 4 + [15] * 4)
-        high = [b.and_(b.shl(b.lshr(v, u.const(i32, 6)), u.const(i32, 4)),
-                       ir.Constant(i32, [0] * 4 + [48] * 4)) for v in (s[2], s[3])]
-        sc = b.or_(b.and_(s[0], low), high[0])
-        mn = b.or_(b.and_(b.lshr(s[1], ir.Constant(i32, [0] * 4 + [4] * 4)), low), high[1])
-        d, dmin = (b.fpext(u.splat(b, load(b.add(at, u.i64(2 * i)), u.F16), 8), f8)
-                   for i in (0, 1))
-        return b.fmul(d, b.sitofp(sc, f8)), b.fneg(b.fmul(dmin, b.sitofp(mn, f8)))
-
-    def kquant(sb, rows):
-        """Superblock sb of every row as 4 pairs of 32-value sub-blocks. q4_k: the low
-        nibbles of 32 code bytes for the first of each pair, their high nibbles for the
-        second; q6_k: sub-block 4·hh + sub of ggml's two 128-value halves, its lanes 0-3 and
-        4-7 under scales 2·sub and 2·sub + 1 of the half."""
-        scales = []
+    def kquant(sb, rows, kq):
+        """Superblock sb of every row as 4 pairs of 32-value sub-blocks (_KQuant)."""
+        scaled = []
         for c in range(CN):
             at = b.add(rows[c], b.mul(sb, u.i64(nbytes)))
             for off in range(0, nbytes, 64):
                 u.prefetch(b, w, b.add(b.add(at, ahead), u.i64(off)), "bool")
-            scales.append((at, *(k_scales(at) if key.fmt == "q4_k" else
-                                 (q6_scales(at, 0), q6_scales(at, 1)))))
+            scaled.append((at, kq.scales(at)))
         for lp in range(4):
             p = b.add(b.mul(sb, u.i64(4)), u.i64(lp))
             for h in (0, 1):
                 xq, dx, sx = x_half(p, h)
-                s8 = 2 * lp + h
-                for c, (at, s0, s1) in enumerate(scales):
-                    if key.fmt == "q6_k":
-                        hh, sub = divmod(s8, 4)
-                        ds = [s0, s1][hh]
-                        lanes = ir.Constant(_v(u.I32, 8), [2 * sub] * 4 + [2 * sub + 1] * 4)
-                        dot = b.sitofp(signed_dot(q6_codes(at, hh, sub), xq), f8)
-                        step(c, h, dot, b.shuffle_vector(ds, ds, lanes), None, dx, sx)
-                        continue
-                    v = load(b.add(at, u.i64(16 + 32 * lp)), i8x32)
-                    if h:
-                        v = b.bitcast(b.lshr(b.bitcast(v, _v(u.I16, 16)),
-                                             u.const(_v(u.I16, 16), 4)), i8x32)
-                    dot = b.sitofp(madd(b.and_(v, u.const(i8x32, 15)), xq), f8)
-                    j = ir.Constant(_v(u.I32, 8), [s8] * 8)
-                    step(c, h, dot, b.shuffle_vector(s0, s0, j), b.shuffle_vector(s1, s1, j),
+                if kq.per_lane:     # each lane's Σ of x's bytes
+                    sx = b.sitofp(_madd(b, u.const(I8X32, 1), xq), F8)
+                for c, (at, s) in enumerate(scaled):
+                    dot, d, m = kq.sub(at, s, 2 * lp + h, xq)
+                    step(c, h, dot, d, m if m is None or not kq.per_lane else b.fmul(m, dx),
                          dx, sx)
 
     def pair(p, rows, lone=False):
         for h in (0, 1):
             xq, dx, sx = x_half(p, h)
-            xs = None if nib else madd(u.const(i8x32, -128), xq)   # 0x80: 128 unsigned
+            xs = None if nib else _madd(b, u.const(I8X32, -128), xq)   # 0x80: 128 unsigned
             for c in range(CN):
                 if lone and h:     # the zeroed partner
-                    dot, d, m = u.const(f8, 0.0), zero8, zero8
+                    dot, d, m = u.const(F8, 0.0), zero8, zero8
                 else:
                     at = b.add(rows[c], b.mul(b.add(b.mul(p, u.i64(2)), u.i64(h)),
                                               u.i64(nbytes)))
                     u.prefetch(b, w, b.add(at, ahead), "bool")   # every block: every line
-                    dot = b.sitofp(codes(at, xq, xs), f8)
+                    dot = b.sitofp(codes(at, xq, xs), F8)
                     d, m = scales(at)
                 step(c, h, dot, d, m, dx, sx)
 
@@ -447,7 +550,7 @@ def _q8_gemv_halves(key, b, args, c0, c1):
                 b.store(zero8, a)
         if bs == 256:
             with u.Loop(b, u.i64(0), b.sdiv(K, u.i64(bs)), 1, "sb") as sb:
-                kquant(sb, rows)
+                kquant(sb, rows, _KQuant(key.fmt, b, w))
         else:
             with u.Loop(b, u.i64(0), full, 1, "p") as p:
                 pair(p, rows)

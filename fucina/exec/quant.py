@@ -229,13 +229,13 @@ def matmul(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
 
 # outputs per q8 gemv item; q8_0 on AVX2: 2 (its 34-byte blocks streamed from memory, Zen 3:
 # SmolLM2's [49152, 576] head, cold, 2.9-3.2 -> 2.6-2.7 ms; q4_1's [49152, 576] 1.8 ms at 2,
-# 1.7 at 4)
-Q8_COLS = {"q4_0": 4, "q4_1": 4, "q5_0": 4, "q5_1": 4, "q4_k": 2, "q6_k": 2,
-           "q8_0": 4 if g.lanes() == 16 else 2}
+# 1.7 at 4); the K-quants 2 (4: the same or up to 5 % slower, Zen 3)
+Q8_COLS = {"q4_0": 4, "q4_1": 4, "q5_0": 4, "q5_1": 4, "q8_0": 4 if g.lanes() == 16 else 2,
+           "q2_k": 2, "q3_k": 2, "q4_k": 2, "q5_k": 2, "q6_k": 2}
 
 
 def q8_fits(w: RawTensor) -> bool:
-    """matvec_q8 serves w: a q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q4_k / q6_k weight whose rows
+    """matvec_q8 serves w: a q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / q2_k .. q6_k weight whose rows
     hold at least 128 values (the whole-pair kernel's 64-byte loads stay inside a row; the
     same rule for every format and host) on a host with AVX2 (quant_q8.available)."""
     return w.dtype in quant_q8.FMTS and w.shape[1] >= 128 and quant_q8.available()
@@ -243,7 +243,7 @@ def q8_fits(w: RawTensor) -> bool:
 
 def matvec_q8(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
     """One row x [1, K] (unit stride along K) times the q4_0 / q4_1 / q5_0 / q5_1 / q8_0 /
-    q4_k / q6_k w [N, K]ᵀ with x rounded to 8 bits per group of 4 (codegen/quant_q8.py): a contiguous f32
+    q2_k .. q6_k w [N, K]ᵀ with x rounded to 8 bits per group of 4 (codegen/quant_q8.py): a contiguous f32
     [1, N]. Two launches: x quantized once, then the integer-dot gemv over N. Bitwise
     identical for any thread count and vector width; not the exact product (see quant_q8)."""
     if ctx.closed:

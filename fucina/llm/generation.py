@@ -415,8 +415,8 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
     matvec="exact" (default): every product uses the stored weight exactly, in f32 (greedy
     ids equal transformers'); q4_0 / q4_1 / q5_0 / q5_1 matrices are also held in the
     decode gemv's interleaved layout (Model.for_matvec: their bytes twice, faster decode at
-    one thread, the same bits); "q8": decode steps multiply q4_0/q4_1/q5_0/q5_1/q8_0/q4_k/
-    q6_k weights by the activation row rounded to 8 bits per group of 4 values with integer
+    one thread, the same bits); "q8": decode steps multiply q4_0/q4_1/q5_0/q5_1/q8_0 and
+    q2_k..q6_k weights by the activation row rounded to 8 bits per group of 4 values with integer
     dots (Tensor.dot_q8), logits within ~0.5 % of the exact ones, so a greedy reply can part from
     the exact one after a near tie. On Zen 5 the exact path is now the faster one too
     (SmolLM2 Q4_1: q8 ~10 % slower at one thread, ~6 % at two); on Zen 3 (AVX2) q8 decodes
