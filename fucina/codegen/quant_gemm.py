@@ -526,13 +526,17 @@ def _gemv_walk(key: QuantGemvKey, W: int) -> str:
             raise ValueError(f"quant_gemv: no interleaved layout for {key.fmt} at {key.rows} "
                              f"rows, {W} lanes")
         return "interleaved"
-    lut = key.table and key.fmt in LUT_FORMATS and W == 16
-    if key.staged and key.fmt in STAGED and (fits and (lut or key.fmt not in LUT_FORMATS)
+    if key.staged and key.fmt in STAGED and (fits and (_lut(key, W) or key.fmt not in LUT_FORMATS)
                                              or key.table and W < 16 and x_regs):
         return "staged"
     if key.table and key.fmt in kq.FORMATS and (kq.available() or W < 16):
         return "kregs"
     return "blocks" if x_regs else "rows"
+
+
+def _lut(key, W) -> bool:
+    """key's blocks decode through the 16-lane tables (_lut_block)."""
+    return key.table and key.fmt in LUT_FORMATS and W == 16
 
 
 def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
@@ -548,7 +552,7 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
                  b.mul(nblk, u.i64(nbytes)))
     items = b.sdiv(b.add(N, u.i64(CN - 1)), u.i64(CN))
     ahead = b.mul(row_bytes, u.i64(CN * PREFETCH_ITEMS))
-    lut = key.table and key.fmt in LUT_FORMATS and W == 16   # 16-lane table decoders
+    lut = _lut(key, W)
     narrow = key.table and W < 16    # staged blocks decoded by _narrow_block (AVX2)
     bufs = [_buffer(b, bs) for _ in range(CN)]
     sbuf = (_buffer(b, CN * SEGMENT * 2) if walk == "staged" else
