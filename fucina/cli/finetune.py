@@ -1008,9 +1008,20 @@ def _run(ctx, path: str, opts: Options, state, out) -> Result:
         s.close()
 
 
+def _bf16_compute() -> str:
+    """--compute bf16 as the model line says it: on a CPU without vdpbf16ps the exact
+    emulation runs at the f32 GEMM's rate, so the user sees why the step is no faster."""
+    from fucina.exec.matmul_bf16 import host_has_dot
+
+    native, cpu = host_has_dot()
+    return "bf16 frozen weights, bf16 compute" + (
+        "" if native else f" (emulated: {cpu} has no AVX-512 BF16 dot, so f32's speed at half "
+                          f"the memory)")
+
+
 def _describe(s: Session, name: str, load_s: float, state, out) -> None:
     opts, c, cfg = s.opts, s.config, s.model.config
-    weights = ("bf16 frozen weights, bf16 compute" if opts.compute == "bf16" else
+    weights = (_bf16_compute() if opts.compute == "bf16" else
                "f32 copies of the frozen weights" if opts.widen_frozen else
                "frozen weights as stored")
     lengths = [len(x.inputs) for x in s.samples]
