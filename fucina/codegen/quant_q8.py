@@ -149,6 +149,14 @@ class Q8GemvKey(KernelKey):
         return u.module(symbol, _q8_gemv, self)
 
 
+def dpbusd(b, uq, xq):
+    """vpdpbusd from zero: per i32 lane of two 16-lane vectors the sum of its four unsigned
+    (uq) by signed (xq) byte products. (tests/test_quant_matvec.py runs the whole-pair
+    kernel on AVX2 hosts with this replaced by the same arithmetic in generic IR.)"""
+    return u.intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", _v(u.I32, 16),
+                       [u.const(_v(u.I32, 16), 0), uq, xq], types=[])
+
+
 def _q8_gemv(key, b, args, c0, c1):
     if not (whole_pairs() and key.fmt in WHOLE):
         return _q8_gemv_halves(key, b, args, c0, c1)
@@ -213,9 +221,7 @@ def _q8_gemv(key, b, args, c0, c1):
             at = b.add(rows[c], b.mul(p, u.i64(2 * nbytes)))
             u.prefetch(b, w, b.add(at, ahead), "bool")
             q, hw, dw = weights(at, shift, valid)
-            dot = u.intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", _v(u.I32, 16),
-                              [u.const(_v(u.I32, 16), 0), b.bitcast(q, _v(u.I32, 16)), xq],
-                              types=[])
+            dot = dpbusd(b, b.bitcast(q, _v(u.I32, 16)), xq)
             d = b.fpext(b.bitcast(_shuffle(b, hw, dw), _v(u.F16, 16)), f16)
             acc = b.load(accs[c])
             acc = u.intrinsic(b, "llvm.fma", f16, [b.sitofp(dot, f16), b.fmul(d, dx), acc])
