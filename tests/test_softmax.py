@@ -50,7 +50,12 @@ def torch_softmax(x, scale=1.0, mask=None, slopes=None, sinks=None, causal=None)
 
 
 def check_vs_torch(ctx, a, fu_fn, torch_fn, tags=TAGS, atol=1e-6):
-    """Values and the gradient of sum(y * w) against torch."""
+    """Values against torch; the gradient of sum(y * w) against torch's float64 gradient to
+    1e-5 of its largest element (normwise): the softmax term p·Σ(...) rounds in proportion
+    to a whole row's sum (log_softmax over 1000 values: torch's float32 gradient and ours are
+    off by up to ~1e-6 of the largest, ours no more than torch's), and which elements take
+    the error depends on the summation order (8 or 16 lanes), so an element-wise tolerance
+    against torch's float32 bits passed or failed by the data."""
     x = ctx.variable(a, tags)
     y = fu_fn(x)
     tx = torch.tensor(a, requires_grad=True)
@@ -58,8 +63,10 @@ def check_vs_torch(ctx, a, fu_fn, torch_fn, tags=TAGS, atol=1e-6):
     np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), rtol=1e-5, atol=atol)
     w = np.asarray(rand(y.shape, 1.0))
     (y * ctx.tensor(w, y.tags)).sum_all().backward()
-    (ty * torch.from_numpy(w)).sum().backward()
-    np.testing.assert_allclose(x.grad().numpy(), tx.grad.numpy(), rtol=1e-5, atol=atol)
+    t64 = torch.tensor(a.astype(np.float64), requires_grad=True)
+    (torch_fn(t64) * torch.from_numpy(w.astype(np.float64))).sum().backward()
+    ref = t64.grad.numpy()
+    np.testing.assert_allclose(x.grad().numpy(), ref, rtol=0, atol=atol + 1e-5 * np.abs(ref).max())
     return y
 
 
