@@ -69,6 +69,9 @@ def _v(elem, n):
     return ir.VectorType(elem, n)
 
 
+F8, I8X32 = _v(u.F32, 8), _v(u.I8, 32)   # the halves kernel's lanes: 8 f32, 32 bytes
+
+
 def _shuffle(b, v, idx):
     return b.shuffle_vector(v, ir.Constant(v.type, None),
                             ir.Constant(_v(u.I32, len(idx)), list(idx)))
@@ -258,9 +261,6 @@ def _q8_gemv(key, b, args, c0, c1):
             with b.if_then(b.icmp_signed("<", b.add(n0, u.i64(c)), N)):
                 s = lane_tree(b, b.load(accs[c]), fadd)
                 b.store(s, b.gep(y, [b.add(n0, u.i64(c))], source_etype=u.F32))
-
-
-F8, I8X32 = _v(u.F32, 8), _v(u.I8, 32)
 
 
 def _load(b, w, at, typ):
