@@ -59,6 +59,8 @@ llvm.get_host_cpu_features = lambda: _Features()
 llvm.get_host_cpu_name = lambda: "znver4"
 _CACHE = tempfile.mkdtemp(prefix="fucina-emulate-avx512-")
 os.environ["FUCINA_CACHE_DIR"] = _CACHE
+os.environ.pop("FUCINA_ASSERT_WARM", None)      # a fresh cache: everything compiles
+os.environ.pop("FUCINA_RECORD_MANIFEST", None)  # and its keys are another host's
 
 from fucina.codegen import jit, target, vmath  # noqa: E402
 
