@@ -509,52 +509,6 @@ def test_dot_q8_follows_its_model_bit_for_bit(ctx1, fmt):
         assert_bitwise(got, q8_model(xa[0], raw, N, K, fmt))
 
 
-def _generic_dpbusd(b, uq, xq):
-    """vpdpbusd from zero in generic IR (legal on any x86 target): per i32 lane the sum of
-    its four unsigned-by-signed byte products."""
-    from llvmlite import ir
-
-    from fucina.codegen import irutil as u
-    b64, w64 = ir.VectorType(u.I8, 64), ir.VectorType(u.I32, 64)
-    prod = b.mul(b.zext(b.bitcast(uq, b64), w64), b.sext(b.bitcast(xq, b64), w64))
-    part = [b.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(u.I32, 16),
-                                                     [4 * i + k for i in range(16)]))
-            for k in range(4)]
-    return b.add(b.add(part[0], part[1]), b.add(part[2], part[3]))
-
-
-@needs_q8
-@pytest.mark.parametrize("fmt", xq.quant_q8.WHOLE)
-def test_whole_pair_kernel_follows_its_model_in_generic_ir(ctx1, fmt, monkeypatch):
-    """The AVX-512 whole-pair kernel (q4_0 / q4_1 / q8_0 on VNNI + VBMI hosts) checked on any
-    AVX2 host: its IR as such a host builds it, with vpdpbusd spelled in generic IR (the
-    one instruction of it this CPU may lack; its byte permutes are shufflevectors), compiled
-    for this CPU, gives q8_model's bits: its 64-byte loads, the early loads of a row's last
-    pairs, the zeroed partner of a lone block, its FMAs and lane tree. (It fails when the
-    model's two FMAs are swapped or the lone block's mask keeps the wrong bytes.)"""
-    from fucina.codegen import jit, kernels, quant_q8
-
-    monkeypatch.setattr(quant_q8, "whole_pairs", lambda: True)
-    monkeypatch.setattr(quant_q8, "dpbusd", _generic_dpbusd)
-    rng = np.random.default_rng(33)
-    for cols in (2, 4):
-        sym = f"test_whole_{fmt}_{cols}"
-        text = quant_q8.Q8GemvKey(fmt, cols).ir(sym)
-        assert "vpdpbusd" not in text and "<64 x i8>" in text
-        gemv = jit.loader().load_object(jit.compile_object(text), [sym])[sym]
-        for N, K in ((5, 160), (3, 256), (7, 576)):
-            raw = random_blocks(rng, N, K, fmt)
-            w = xq.from_bytes(ctx1, raw.tobytes(), (N, K), fmt)
-            xa = rng.standard_normal((1, K)).astype(np.float32)
-            xa[0, 5], xa[0, 8:12], xa[0, 13] = 40.0, 0.0, -0.0
-            x = ctx1.from_numpy(xa)
-            q = ctx1.empty((-(-K // 64) * quant_q8.PAIR // 4,), "f32")
-            ctx1.launch(kernels.get(quant_q8.Q8RowKey()), 1, K * 4, x.addr, q.addr, K)
-            y = ctx1.empty((1, N))
-            ctx1.launch(gemv, 1, 0, q.addr, w.addr, y.addr, N, K, -(-N // cols))
-            assert_bitwise(y.to_numpy()[0], q8_model(xa[0], raw, N, K, fmt))
-
-
 def test_dot_q8_falls_back_and_refuses(ctx1):
     """Weights it does not serve (other formats, rows under 128 values) take the exact dot;
     gradients and more than one row are refused."""

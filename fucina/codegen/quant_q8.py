@@ -154,8 +154,7 @@ class Q8GemvKey(KernelKey):
 
 def dpbusd(b, uq, xq):
     """vpdpbusd from zero: per i32 lane of two 16-lane vectors the sum of its four unsigned
-    (uq) by signed (xq) byte products. (tests/test_quant_matvec.py runs the whole-pair
-    kernel on AVX2 hosts with this replaced by the same arithmetic in generic IR.)"""
+    (uq) by signed (xq) byte products."""
     return u.intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", _v(u.I32, 16),
                        [u.const(_v(u.I32, 16), 0), uq, xq], types=[])
 
