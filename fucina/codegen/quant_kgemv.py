@@ -185,7 +185,7 @@ def _scales_mins_k4(b, src):
     return b.fmul(scale, b.sitofp(b.or_(low, top), F16V))
 
 
-def _group_scales(b, src, fmt):
+def group_scales(b, src, fmt):
     """(scales, mins) of a K-quant block for its decoders: q2_k / q3_k / q6_k's 16 group
     scales dl = d·float(sc) (q2_k: sc the low nibble, its mins ml = dmin·float(sc >> 4) as
     well, else None); q4_k / q5_k's 8 scales and 8 negated mins in one vector
@@ -213,7 +213,7 @@ class Q4K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        self._store(_group_scales(b, src, "q4_k")[0], 0)
+        self._store(group_scales(b, src, "q4_k")[0], 0)
         self.q = [None, None]
         self.tables = {}
 
@@ -286,7 +286,7 @@ class Q2K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        dls, mls = _group_scales(b, src, "q2_k")
+        dls, mls = group_scales(b, src, "q2_k")
         self._store(dls, 0)
         self._store(b.fneg(mls), 16)
         self.q = _transposed(b, src, 16)
@@ -312,7 +312,7 @@ class Q3K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        self._store(_group_scales(b, src, "q3_k")[0], 0)
+        self._store(group_scales(b, src, "q3_k")[0], 0)
         self.q = _transposed(b, src, 32)          # byte k = 2h + p: qs[32 + 16k + t]
         # hmask with bytes 2-3 (h = 1) moved down 4 bits: bit j of byte k is hmask bit 4h + j
         hm = b.bitcast(_load_bytes(b, src, 0, 32), ir.VectorType(u.I16, 32))
@@ -353,7 +353,7 @@ class Q6K(_Decoder):
 
     def __init__(self, b, src, scratch):
         super().__init__(b, src, scratch)
-        dls = _group_scales(b, src, "q6_k")[0]
+        dls = group_scales(b, src, "q6_k")[0]
         self._store(b.fmul(dls, u.const(F16V, 0.25)), 0)
         words = ir.VectorType(u.I16, 32)
         for n in range(2):
@@ -395,7 +395,7 @@ class Narrow(_Decoder):
         super().__init__(b, src, scratch)
         self.fmt, self.W = fmt, W
         self.vectors = 256 // W
-        scales, mins = _group_scales(b, src, fmt)
+        scales, mins = group_scales(b, src, fmt)
         if mins is not None:   # q2_k: the negated mins after the 16 scales
             self._store(b.fneg(mins), 16)
         if fmt in ("q5_k", "q6_k"):

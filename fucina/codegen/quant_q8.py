@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
+from . import quant_kgemv as kq
 from .emit import lane_tree
 from .kernels import KernelKey, register
 from .quant import FORMATS
@@ -298,69 +299,14 @@ def _bit_to(b, v, bit, to):
     return b.and_(_shift_bytes(b, v, bit - to), u.const(I8X32, 1 << to))
 
 
-def _f16_splat(b, w, at):
-    return b.fpext(u.splat(b, _load(b, w, at, u.F16), 8), F8)
-
-
 def _pick(b, v, lanes):
     return b.shuffle_vector(v, v, ir.Constant(_v(u.I32, 8), lanes))
 
 
-def _sixteens(sub):
-    """The lanes of a half's 8 per-16-value scales that a 32-value sub-block reads: lanes
-    0-3 (its values 0-15) scale 2·sub, lanes 4-7 scale 2·sub + 1."""
-    return [2 * sub] * 4 + [2 * sub + 1] * 4
-
-
-def _k_scales(b, w, at):
-    """q4_k / q5_k: the 8 sub-blocks' d·sc and −dmin·m of the superblock at `at` as two
-    8-lane vectors (ggml's get_scale_min_k4 lane by lane; both products exact in f32)."""
-    s = [b.zext(v, _v(u.I32, 8)) for v in (
-        b.shuffle_vector(_load(b, w, b.add(at, u.i64(4)), _v(u.I8, 16)),
-                         ir.Constant(_v(u.I8, 16), None), ir.Constant(_v(u.I32, 8), idx))
-        for idx in ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 8, 9, 10, 11],
-                    [0, 1, 2, 3, 0, 1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7]))]
-    i32 = _v(u.I32, 8)
-    low = ir.Constant(i32, [63] * 4 + [15] * 4)
-    high = [b.and_(b.shl(b.lshr(v, u.const(i32, 6)), u.const(i32, 4)),
-                   ir.Constant(i32, [0] * 4 + [48] * 4)) for v in (s[2], s[3])]
-    sc = b.or_(b.and_(s[0], low), high[0])
-    mn = b.or_(b.and_(b.lshr(s[1], ir.Constant(i32, [0] * 4 + [4] * 4)), low), high[1])
-    d, dmin = (_f16_splat(b, w, b.add(at, u.i64(2 * i))) for i in (0, 1))
-    return b.fmul(d, b.sitofp(sc, F8)), b.fneg(b.fmul(dmin, b.sitofp(mn, F8)))
-
-
-def _q6_scales(b, w, at, hh):
-    """q6_k: d·sc of the 8 int8 scales of 128-value half hh, one per lane (exact)."""
-    sc = b.sext(_load(b, w, b.add(at, u.i64(192 + 8 * hh)), _v(u.I8, 8)), _v(u.I32, 8))
-    d = _f16_splat(b, w, b.add(at, u.i64(208)))
-    return b.fmul(d, b.sitofp(sc, F8))
-
-
-def _q3_scales(b, w, at, hh):
-    """q3_k: d·(sc − 32) of the 8 scales of 128-value half hh, one per lane (exact): scale
-    i = 8·hh + t has its low 4 bits in byte t of the 12 (its nibble hh), its high 2 in byte
-    8 + t % 4 (bits 2·(i // 4)). The 16 bytes loaded end with d, inside the block."""
-    i32 = _v(u.I32, 8)
-    v = _load(b, w, b.add(at, u.i64(94)), _v(u.I8, 16))
-    low, high = (b.zext(b.shuffle_vector(v, ir.Constant(_v(u.I8, 16), None),
-                                         ir.Constant(i32, idx)), i32)
-                 for idx in (list(range(2, 10)), [10, 11, 12, 13] * 2))
-    low = b.and_(b.lshr(low, u.const(i32, 4 * hh)), u.const(i32, 15))
-    high = b.and_(b.lshr(high, ir.Constant(i32, [4 * hh] * 4 + [4 * hh + 2] * 4)),
-                  u.const(i32, 3))
-    sc = b.sub(b.or_(low, b.shl(high, u.const(i32, 4))), u.const(i32, 32))
-    return b.fmul(_f16_splat(b, w, b.add(at, u.i64(108))), b.sitofp(sc, F8))
-
-
-def _q2_scales(b, w, at, hh):
-    """q2_k: (d·sc, −dmin·m) of the 8 scale bytes of 128-value half hh (low nibble sc,
-    high nibble m), one per lane (both products exact)."""
-    i32 = _v(u.I32, 8)
-    s = b.zext(_load(b, w, b.add(at, u.i64(8 * hh)), _v(u.I8, 8)), i32)
-    sc, mn = b.and_(s, u.const(i32, 15)), b.lshr(s, u.const(i32, 4))
-    d, dmin = (_f16_splat(b, w, b.add(at, u.i64(off))) for off in (80, 82))
-    return b.fmul(d, b.sitofp(sc, F8)), b.fneg(b.fmul(dmin, b.sitofp(mn, F8)))
+def _sixteens(s8):
+    """The lanes of a superblock's 16 per-16-value scales that its 32-value sub-block s8
+    reads: lanes 0-3 (its values 0-15) scale 2·s8, lanes 4-7 scale 2·s8 + 1."""
+    return [2 * s8] * 4 + [2 * s8 + 1] * 4
 
 
 def _q6_codes(b, w, at, hh, sub):
@@ -378,36 +324,36 @@ class _KQuant:
     and row, then per 32-value sub-block s8 (0-7, x's block 8·sb + s8) `sub` gives
     (the lanes' integer dot with x's bytes as f32, d per lane, the zero-point factor m per
     lane or None). q4_k / q5_k: m = −dmin·m of the sub-block, against the block's sx;
-    q2_k: m = −dmin·m per 16 values, against each lane's own Σ of x (per_lane)."""
+    q2_k: m = dmin·m per 16 values, times −dx against each lane's own Σ of x (per_lane;
+    (dmin·m)·(−dx) is bitwise −(dmin·m·dx))."""
 
     def __init__(self, fmt, b, w):
         self.fmt, self.b, self.w = fmt, b, w
         self.per_lane = fmt == "q2_k"
 
     def scales(self, at):
-        b, w, fmt = self.b, self.w, self.fmt
-        if fmt in ("q4_k", "q5_k"):
-            return _k_scales(b, w, at)
-        half = {"q6_k": _q6_scales, "q3_k": _q3_scales, "q2_k": _q2_scales}[fmt]
-        return tuple(half(b, w, at, hh) for hh in (0, 1))
+        """The 16-lane decoders' group scales (quant_kgemv.group_scales; each product exact):
+        q2_k / q3_k / q6_k d·sc per 16 values (q2_k and dmin·m), q4_k / q5_k d·sc of the 8
+        sub-blocks and their −dmin·m in one vector."""
+        return kq.group_scales(self.b, self.b.gep(self.w, [at], source_etype=u.I8), self.fmt)
 
     def sub(self, at, scales, s8, xq):
         b, w, fmt = self.b, self.w, self.fmt
         hh, sub = divmod(s8, 4)
+        groups, mins = scales
         if fmt == "q6_k":
             dot = b.sitofp(_signed_dot(b, _q6_codes(b, w, at, hh, sub), xq), F8)
-            return dot, _pick(b, scales[hh], _sixteens(sub)), None
+            return dot, _pick(b, groups, _sixteens(s8)), None
         if fmt == "q3_k":   # 2 bits from qs, the third from hmask bit s8: signed q − 4
             lo = _bit_pair(b, _load(b, w, b.add(at, u.i64(32 + 32 * hh)), I8X32), 2 * sub)
             hm = _bit_to(b, _load(b, w, at, I8X32), s8, 2)
             codes = b.sub(b.or_(lo, hm), u.const(I8X32, 4))
             dot = b.sitofp(_signed_dot(b, codes, xq), F8)
-            return dot, _pick(b, scales[hh], _sixteens(sub)), None
+            return dot, _pick(b, groups, _sixteens(s8)), None
         if fmt == "q2_k":
             codes = _bit_pair(b, _load(b, w, b.add(at, u.i64(16 + 32 * hh)), I8X32), 2 * sub)
             dot = b.sitofp(_madd(b, codes, xq), F8)
-            d, m = scales[hh]
-            return dot, _pick(b, d, _sixteens(sub)), _pick(b, m, _sixteens(sub))
+            return dot, _pick(b, groups, _sixteens(s8)), _pick(b, mins, _sixteens(s8))
         # q4_k / q5_k: the low nibbles of 32 code bytes for an even s8, their high ones
         # for an odd one; q5_k's fifth bit is bit s8 of qh's byte
         lp, h = divmod(s8, 2)
@@ -416,7 +362,7 @@ class _KQuant:
         if fmt == "q5_k":
             codes = b.or_(codes, _bit_to(b, _load(b, w, b.add(at, u.i64(16)), I8X32), s8, 4))
         dot = b.sitofp(_madd(b, codes, xq), F8)
-        return dot, _pick(b, scales[0], [s8] * 8), _pick(b, scales[1], [s8] * 8)
+        return dot, _pick(b, groups, [s8] * 8), _pick(b, groups, [8 + s8] * 8)
 
 
 def _bit_pair(b, v, shift):
@@ -524,11 +470,12 @@ def _q8_gemv_halves(key, b, args, c0, c1):
             p = b.add(b.mul(sb, u.i64(4)), u.i64(lp))
             for h in (0, 1):
                 xq, dx, sx = x_half(p, h)
-                if kq.per_lane:     # each lane's Σ of x's bytes
+                if kq.per_lane:     # each lane's Σ of x's bytes; −dx for dmin·m·(−dx)
                     sx = b.sitofp(_madd(b, u.const(I8X32, 1), xq), F8)
+                    ndx = b.fneg(dx)
                 for c, (at, s) in enumerate(scaled):
                     dot, d, m = kq.sub(at, s, 2 * lp + h, xq)
-                    step(c, h, dot, d, m if m is None or not kq.per_lane else b.fmul(m, dx),
+                    step(c, h, dot, d, m if m is None or not kq.per_lane else b.fmul(m, ndx),
                          dx, sx)
 
     def pair(p, rows, lone=False):
