@@ -2,9 +2,11 @@
 
     from tests.real_models import require
     path = require("gemma3")        # skips the test, naming `make models`, when the file is absent
+    tok = hf_tokenizer("gemma3")    # transformers' tokenizer of that file, built once a session
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -33,3 +35,14 @@ def require(name: str) -> Path:
         pytest.skip(f"{p} is absent: run `make models` (or python -m tools.fetch_models "
                     f"--dest DIR with FUCINA_MODELS_DIR=DIR)")
     return p
+
+
+@functools.lru_cache(maxsize=None)
+def hf_tokenizer(name: str):
+    """transformers' tokenizer of the real file `name` (skipping when absent), built once per
+    test session: transformers converts the GGUF vocabulary in Python, 14-24 s a file here,
+    and five tests of two modules read each one."""
+    import transformers
+
+    p = require(name)
+    return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)

@@ -400,9 +400,23 @@ def real(name):
     return str(real_models.require(name))
 
 
-def hf_prompt(path, arch):
-    d, name = os.path.split(path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+@pytest.fixture(scope="module")
+def hf_real():
+    """arch -> transformers' model of the real file, loaded once for this module's tests
+    (45 s for the qwen2 file here, most of it transformers reading the GGUF) and dropped
+    after them."""
+    models = {}
+
+    def get(arch):
+        if arch not in models:
+            models[arch] = hf_model(real(arch))
+        return models[arch]
+    yield get
+    models.clear()
+
+
+def hf_prompt(arch):
+    tok = real_models.hf_tokenizer(arch)
     ids_ = tok(PROMPT, add_special_tokens=False)["input_ids"]
     return ([tok.bos_token_id] if arch == "gemma3" else []) + ids_, tok
 
@@ -425,13 +439,13 @@ def cached_greedy(model, prompt, n):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_real_file_greedy_equals_transformers(arch):
+def test_real_file_greedy_equals_transformers(arch, hf_real):
     path = real(arch)
-    prompt, tok = hf_prompt(path, arch)
+    prompt, tok = hf_prompt(arch)
     model = Model.from_gguf(fu.ExecContext(threads=2), path)
     assert model.config.arch == arch
     ours = cached_greedy(model, prompt, 24)
-    assert ours == hf_greedy(path, prompt, 24), (tok.decode(ours),)
+    assert ours == hf_greedy(path, prompt, 24, hf_real(arch)), (tok.decode(ours),)
     if arch == "gemma3":
         assert tok.decode(ours).startswith(" Paris")
 
@@ -440,7 +454,7 @@ def test_real_file_greedy_equals_transformers(arch):
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_real_file_ten_finetune_steps_lower_the_loss(arch):
     path = real(arch)
-    prompt, tok = hf_prompt(path, arch)
+    prompt, tok = hf_prompt(arch)
     answer = tok(" Paris, the capital of France.", add_special_tokens=False)["input_ids"]
     tokens = prompt + answer
     labels = [IGNORE_INDEX] * (len(prompt) - 1) + answer + [IGNORE_INDEX]
@@ -465,7 +479,7 @@ def test_real_file_ten_finetune_steps_lower_the_loss(arch):
 def test_real_qwen2_serves_through_fu_llm_load():
     """The serving path end to end (its byte-level BPE tokenizer and ChatML template)."""
     path = real("qwen2")
-    prompt, _ = hf_prompt(path, "qwen2")
+    prompt, _ = hf_prompt("qwen2")
     lm = fu.llm.load(path, fu.ExecContext(threads=2))
     assert lm.encode(PROMPT) == prompt
     assert lm.generate(PROMPT, max_new=24).ids == cached_greedy(lm.model, prompt, 24)
@@ -487,7 +501,7 @@ def nll(logits, ids):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_real_file_nll_equals_transformers(arch):
+def test_real_file_nll_equals_transformers(arch, hf_real):
     """A two-sentence passage, tokenized by our tokenizer with the file's BOS policy (the ids
     equal transformers'): our NLL equals transformers' on the same file, near the issue's
     oracle's range (1.9 on its passage; here 3.13 for the coder model, 2.57 for Gemma); Gemma
@@ -496,10 +510,8 @@ def test_real_file_nll_equals_transformers(arch):
     ctx = fu.ExecContext(threads=2)
     lm = fu.llm.load(path, ctx)
     ids = lm.encode(PASSAGE)
-    d, name = os.path.split(path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
-    assert ids == tok(PASSAGE)["input_ids"]
-    m = hf_model(path)
+    assert ids == real_models.hf_tokenizer(arch)(PASSAGE)["input_ids"]
+    m = hf_real(arch)
     with fu.no_grad(), ctx.exec_scope():
         ours = nll(lm.model.forward_logits(ids).numpy(), ids)
         bare = nll(lm.model.forward_logits(ids[1:]).numpy(), ids[1:]) if arch == "gemma3" else None

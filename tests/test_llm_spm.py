@@ -22,7 +22,7 @@ from fucina.llm import ChatTemplate, Template, Tokenizer, UnsupportedTokenizer
 from fucina.llm.spm import MARKER, SpmTokenizer
 from fucina.llm.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
 
-from real_models import require
+from real_models import hf_tokenizer, require
 from test_llm_tokenizer import CORPUS
 
 transformers = pytest.importorskip("transformers")
@@ -254,8 +254,7 @@ def gemma3():
     path = require("gemma3")
     ctx = fu.ExecContext(threads=1)
     ours = Tokenizer.from_gguf(fu.gguf.read(path, ctx))
-    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    yield path, ours, hf
+    yield path, ours, hf_tokenizer("gemma3")
     ctx.close()
 
 
@@ -348,7 +347,7 @@ def test_qwen2_byte_level_ids_match_transformers():
     path = require("qwen2")
     ctx = fu.ExecContext(threads=1)
     ours = Tokenizer.from_gguf(fu.gguf.read(path, ctx))
-    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf = hf_tokenizer("qwen2")
     assert type(ours) is Tokenizer and ours.pre == "qwen2" and not ours.add_bos
     text = REAL_TEXT * 2
     assert ours.encode_raw(text) == hf.encode(text, add_special_tokens=False)
