@@ -174,7 +174,7 @@ def test_for_matvec_gives_the_same_bits(ctx1, ctx2, fmt, N, K):
         qi = q.for_matvec()
         if interleaves(q._raw):
             assert isinstance(qi._raw, GemvBlockRaw) and qi.for_matvec() is qi
-        else:   # a host without AVX-512 has no interleaved gemv: the weight comes back as is
+        else:   # a host without AVX2 has no interleaved gemv: the weight comes back as is
             assert qi is q
         assert qi.tags == q.tags and qi.shape == q.shape
         for M in (1, 3, 6, 20):
@@ -248,17 +248,19 @@ def test_interleave_kernel_writes_the_layout(ctx1, ctx2, fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5_0", "q5_1"])
 def test_for_matvec_on_any_bytes(ctx1, fmt):
-    """any_blocks (finite scales) through the interleaved copy: one to 8 rows of x give the
-    stored layout's bits, for burst (K = 896) and spread prefetch (K = 2304) and odd N (an
-    item past N's edge)."""
+    """any_blocks through the interleaved copy: one to 8 rows of x give the stored layout's
+    bits, for burst (K = 896) and spread prefetch (K = 2304) and odd N (an item past N's
+    edge); with infinite scales too (the 16-lane tables and the 8-lane fields compute each
+    weight with the block decoder's operations, so its NaNs and infinities)."""
     for N, K in ((13, 896), (7, 2304)):
-        q = fu.Tensor(any_blocks(ctx1, fmt, N, K, 11), ("o", "i"))
-        qi = q.for_matvec()
-        for M in (1, 2, 5, 8):
-            x = ctx1.tensor(rnd(M, K), ("s", "i"))
-            want = x.dot(q, "i").numpy()
-            assert np.isfinite(want).all()
-            assert_bitwise(x.dot(qi, "i").numpy(), want)
+        for inf in (False, True):
+            q = fu.Tensor(any_blocks(ctx1, fmt, N, K, 11, inf), ("o", "i"))
+            qi = q.for_matvec()
+            for M in (1, 2, 5, 8):
+                x = ctx1.tensor(rnd(M, K), ("s", "i"))
+                want = x.dot(q, "i").numpy()
+                assert np.isfinite(want).any() if inf else np.isfinite(want).all()
+                assert_bitwise(x.dot(qi, "i").numpy(), want)
 
 
 def test_for_matvec_leaves_other_tensors(ctx1):
@@ -269,6 +271,15 @@ def test_for_matvec_leaves_other_tensors(ctx1):
     assert q8.for_matvec() is q8
     f = ctx1.tensor(rnd(4, 64), ("o", "i"))
     assert f.for_matvec() is f
+
+
+def test_interleave_refuses_other_weights(ctx1):
+    """exec.quant.interleave (what for_matvec calls) names the op, the format it expects and
+    the one given."""
+    from fucina.errors import DTypeError
+    q8, _ = qweight(ctx1, 8, 64, "q8_0")
+    with pytest.raises(DTypeError, match=r"interleave: expected a 2-D q4_0 .* got q8_0 of rank 2"):
+        xq.interleave(ctx1, q8._raw)
 
 
 def test_repeated_dots_keep_their_bits_per_layout(ctx1):

@@ -16,13 +16,14 @@ materialised in memory as a whole. So each weight the matmul multiplies is bitwi
               16-value tables, q5 through 32-value ones; the 32-blocks' scales are converted
               a segment ahead (staged), and q4_0 / q4_1 / q5_0 / q5_1 weights may come in an
               interleaved layout (exec.quant.interleave) whose index vectors are one shift
-              each (no byte widening, no fifth-bit masks). The K-quants
-              (q2_k .. q6_k) decode by register decoders of their own (quant_kgemv: bytes
-              transposed by a byte permute, scales broadcast from a stack buffer, tables of
-              scale·code where they fit), every row of the item at once, 16 weights at a
-              time interleaved across the rows. On 8-lane hosts (AVX2) the 32-blocks are
-              converted and scaled per vector (_narrow_block), q4_k / q5_k / q6_k by
-              quant_kgemv.Narrow, 8 weights at a time across the rows. Two accumulators per
+              each (no byte widening, no fifth-bit masks; on AVX2 each code two shifts,
+              _narrow_group). The K-quants (q2_k .. q6_k) decode by register decoders of
+              their own (quant_kgemv: bytes transposed by a byte permute, scales broadcast
+              from a stack buffer, tables of scale·code where they fit), every row of the
+              item at once, 16 weights at a time interleaved across the rows. On 8-lane
+              hosts (AVX2) the 32-blocks are converted and scaled per vector
+              (_narrow_block), q4_k / q5_k / q6_k by quant_kgemv.Narrow, 8 weights at a
+              time across the rows. Two accumulators per
               output: lane t of accumulator s sums k = s*W + t + 2W*i over i in increasing
               order; they add, then a fixed halving tree folds the lanes. The order of every
               sum is fixed by K alone (not by M: a row of a batch is bitwise the row alone).
@@ -385,6 +386,37 @@ class QuantInterleaveKey(KernelKey):
         return str(mod)
 
 
+def _narrow_group(b, fmt, src):
+    """An interleaved group's codes on 8 lanes (AVX2): its 64 bytes as two vectors (weights
+    j and 16 + j of each block for j < 8, then for 8 <= j < 16), and field(f, v), the code
+    at bits CODE_BITS·f of vector v as the decoder takes it, an integer: q − 8 (q4_0) and
+    q − 16 (q5_0) by a shift left and an arithmetic shift right of the codes with their top
+    bit flipped once per group (a signed field), q (q4_1, q5_1) by a shift and a mask. Two
+    instructions a code instead of the stored blocks' four to six (widening, fifth bits,
+    offset): the same integers, so the same weights."""
+    bits = CODE_BITS[fmt]
+    i8v = ir.VectorType(u.I32, 8)
+    vecs = []
+    for v in range(2):
+        codes = b.load(b.gep(src, [u.i64(32 * v)], source_etype=u.I8), typ=i8v)
+        codes.align = 1
+        if fmt in ("q4_0", "q5_0"):   # code ^ 2^(bits-1) read as signed is code - 2^(bits-1)
+            top = sum(1 << (bits * f + bits - 1) for f in range(32 // bits))
+            codes = b.xor(codes, u.const(i8v, top - (1 << 32) if top >= 1 << 31 else top))
+        vecs.append(codes)
+
+    def field(f, v):
+        at, codes = bits * f, vecs[v]
+        if fmt in ("q4_1", "q5_1"):
+            if at:
+                codes = b.lshr(codes, u.const(i8v, at))
+            return codes if at + bits == 32 else b.and_(codes, u.const(i8v, (1 << bits) - 1))
+        if at + bits < 32:
+            codes = b.shl(codes, u.const(i8v, 32 - bits - at))
+        return b.ashr(codes, u.const(i8v, 32 - bits))
+    return field
+
+
 def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, block):
     """A row of w in the gemv's interleaved layout (fucina.exec.quant.interleave): groups of
     G = GROUPS[fmt] blocks of k, each [the G d's (f16)][the G m's, q4_1 / q5_1][64 bytes of
@@ -394,15 +426,17 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
     group, so a block's index vectors are shifts (a permute reads only the index's low 4
     bits, q4, or 5, q5, where the fifth picks the second table: no masks, no widening), and
     the scales of a segment of groups are converted to f32 ahead (their broadcasts are
-    loads). q4 groups are the bytes of their 4 blocks; a q5 group of 3 takes 70 (q5_0) or 76
-    bytes (q5_1) for the 66 / 72 of its blocks.
+    loads). On 8 lanes (AVX2) the codes are two vectors whose fields are converted and
+    scaled per vector (_narrow_group), the stored blocks' arithmetic (_narrow_block) without
+    their widening and fifth bits. q4 groups are the bytes of their 4 blocks; a q5 group of
+    3 takes 70 (q5_0) or 76 bytes (q5_1) for the 66 / 72 of its blocks.
     The rows PREFETCH_ITEMS items ahead are prefetched at the item's start, line by line, or
     with key.spread group by group as the item goes (two lines a group): on long rows a
     burst of 40+ prefetches stalls the loads behind it (SmolLM2's [576, 1536] q4_1 streamed
     from memory: 0.80 -> 0.65 ns a block), on short ones the burst is cheaper.
-    use(c, kb, pair) runs block kb of row c from its two decoded 16-lane halves, in the
-    unpacked kernel's order: the bits are its bits."""
-    fmt = key.fmt
+    use(c, kb, vectors) runs block kb of row c from its decoded 16-lane halves (or 8-lane
+    quarters), in the unpacked kernel's order: the bits are its bits."""
+    fmt, W = key.fmt, lanes()
     _, nbytes = FORMATS[fmt]
     G, bits = GROUPS[fmt], CODE_BITS[fmt]
     i16 = ir.VectorType(u.I32, 16)
@@ -438,20 +472,28 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
         with u.Loop(b, g0, g1, 1, "g") as g:
             for c in range(len(rows)):
                 spread(gptr(c, g), gbytes)
-                codes = b.load(gptr(c, g, nsc * 2), typ=i16)
-                codes.align = 1
+                if W == 8:
+                    field = _narrow_group(b, fmt, gptr(c, g, nsc * 2))
+                else:
+                    codes = b.load(gptr(c, g, nsc * 2), typ=i16)
+                    codes.align = 1
                 for j in range(G):
-                    d = u.splat(b, b.load(slot(c, g, j), typ=u.F32), 16)
+                    d = u.splat(b, b.load(slot(c, g, j), typ=u.F32), W)
                     m = None if nsc == G else u.splat(b, b.load(slot(c, g, G + j),
-                                                                 typ=u.F32), 16)
-                    tables = [kq.table(b, iota, d, m) for iota in iotas]
-                    halves = []
-                    for h in range(2):
-                        sh = bits * (2 * j + h)
-                        idx = codes if sh == 0 else b.lshr(codes, u.const(i16, sh))
-                        halves.append(kq.permute(b, tables[0], idx) if bits == 4 else
-                                      kq.permute2(b, tables[0], tables[1], idx))
-                    use(c, b.add(b.mul(g, u.i64(G)), u.i64(j)), halves)
+                                                                 typ=u.F32), W)
+                    if W == 8:   # weights 0-7, 8-15, 16-23, 24-31 of block j
+                        fw = ir.VectorType(u.F32, W)
+                        decoded = [kq.table(b, b.sitofp(field(2 * j + h, v), fw), d, m)
+                                   for h in range(2) for v in range(2)]
+                    else:
+                        tables = [kq.table(b, iota, d, m) for iota in iotas]
+                        decoded = []
+                        for h in range(2):
+                            sh = bits * (2 * j + h)
+                            idx = codes if sh == 0 else b.lshr(codes, u.const(i16, sh))
+                            decoded.append(kq.permute(b, tables[0], idx) if bits == 4 else
+                                           kq.permute2(b, tables[0], tables[1], idx))
+                    use(c, b.add(b.mul(g, u.i64(G)), u.i64(j)), decoded)
     # the row's last nblk % G blocks, as stored: staged like a stored row's (block(...)),
     # through a base that puts block kb of a row at row·row_bytes + kb·nbytes
     tail = b.gep(w, [b.sub(b.mul(groups, u.i64(gbytes)), b.mul(groups, u.i64(G * nbytes)))],
@@ -511,7 +553,7 @@ class QuantGemvKey(KernelKey):
 
 def _gemv_walk(key: QuantGemvKey, W: int) -> str:
     """The loop a gemv key runs over the blocks of its rows of w:
-      interleaved  w in the interleaved layout (_interleaved_blocks; 16 lanes only)
+      interleaved  w in the interleaved layout (_interleaved_blocks; x in registers)
       staged       scales converted per segment ahead (_staged_blocks): q4_0 / q4_1 through
                    tables and q8_0 on 16 lanes, the narrow decoders on AVX2
       kregs        the K-quants' register decoders (_kquant_blocks)
@@ -522,7 +564,7 @@ def _gemv_walk(key: QuantGemvKey, W: int) -> str:
     x_regs = key.rows * bs // W <= X_REGS
     fits = W == 16 and x_regs
     if key.interleaved:
-        if not (fits and key.fmt in INTERLEAVED):
+        if not (x_regs and W in (8, 16) and key.fmt in INTERLEAVED):
             raise ValueError(f"quant_gemv: no interleaved layout for {key.fmt} at {key.rows} "
                              f"rows, {W} lanes")
         return "interleaved"

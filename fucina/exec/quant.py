@@ -82,9 +82,9 @@ class GemvBlockRaw(BlockRaw):
 
 def interleaves(w) -> bool:
     """interleave(w) would serve w: a 2-D contiguous q4_0 / q4_1 / q5_0 / q5_1 weight on an
-    AVX-512 host."""
+    AVX-512 or AVX2 host."""
     return (isinstance(w, BlockRaw) and w.dtype in quant_gemm.INTERLEAVED and w.rank == 2
-            and g.lanes() == 16)
+            and g.lanes() in (8, 16))
 
 
 def interleave(ctx, w: BlockRaw) -> GemvBlockRaw:
@@ -93,11 +93,12 @@ def interleave(ctx, w: BlockRaw) -> GemvBlockRaw:
     [G m's, q4_1 / q5_1][64 bytes: dword j holds the codes of weights j and 16 + j of each
     block g at bits CODE_BITS·(2g + half)], then the last blocks as stored. The copy has
     w's size for q4, 6 % more for q5, written in one pass (QuantInterleaveKey). Decode
-    (matvec) steps read it: 30-40 % fewer instructions per block."""
+    (matvec) steps read it: 30-40 % fewer instructions per block (AVX2: 1.07x the stored
+    blocks' one-row gemv for q4, 1.4-1.6x for q5; INTERLEAVED_ROWS)."""
     if not interleaves(w):
         raise DTypeError(f"interleave: expected a 2-D q4_0 / q4_1 / q5_0 / q5_1 weight on an "
-                         f"AVX-512 host, got {getattr(w, 'dtype', type(w).__name__)} of rank "
-                         f"{getattr(w, 'rank', '?')}")
+                         f"AVX-512 or AVX2 host, got {getattr(w, 'dtype', type(w).__name__)} "
+                         f"of rank {getattr(w, 'rank', '?')}")
     N, K = w.shape
     rb = quant_gemm.interleaved_row_bytes(w.dtype, K)
     out = ctx.empty((N * rb,), "bool")
@@ -191,6 +192,10 @@ GEMV_WORK = 1 << 16      # weights decoded per chunk of a gemv launch
 # lanes (AVX2, 16 registers) 2: with 4 a row's 8 accumulators, x's 4 vectors and the
 # decode spill (Zen 3, one thread, q4_1 [1536, 4608]: 7.8 -> 11.8 G weights/s).
 GEMV_COLS = {1: 4, 2: 4, 3: 2, 4: 2} if g.lanes() == 16 else {1: 2, 2: 2, 3: 2, 4: 2}
+# rows of x the interleaved copy (interleave) serves: every gemv on AVX-512; on AVX2 one or two,
+# whose x fits in registers (Zen 3, one thread, [1536, 576]: at 1 row 1.07x (q4) to 1.64x
+# (q5_0) the stored blocks' gemv, at 2 rows 0.92-1.31x, at 3 or 4 rows 0.57-0.94x)
+INTERLEAVED_ROWS = GEMV_MAX_ROWS if g.lanes() == 16 else 2
 TILE_MIN_CHUNKS = 8      # the tiled path makes at least this many tiles where N allows (two
                          # threads; see _mm_plan). Prefill, 2 threads: SmolLM2 Q4_1 (55 tokens)
                          # 95.3 -> 82.0 ms, Gemma-3-270M Q4_K_M (35) 73.9 -> 64.7 ms
@@ -207,7 +212,7 @@ def matmul(ctx, x: RawTensor, w: BlockRaw) -> RawTensor:
     A panels, then its tile kernel with the B panels decoded from w on the fly (bitwise the
     f32 GEMM of x and w.to('f32')ᵀ, whose packed and rowvec paths share one FMA chain per
     element)."""
-    inter = isinstance(w, GemvBlockRaw) and x.shape[0] <= GEMV_MAX_ROWS
+    inter = isinstance(w, GemvBlockRaw) and x.shape[0] <= INTERLEAVED_ROWS
     try:
         plan = _mm_plans[(x.lay, w.lay, inter)]
     except KeyError:
