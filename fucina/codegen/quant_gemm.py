@@ -23,10 +23,10 @@ materialised in memory as a whole. So each weight the matmul multiplies is bitwi
               item at once, 16 weights at a time interleaved across the rows. On 8-lane
               hosts (AVX2) the 32-blocks are converted and scaled per vector
               (_narrow_block), q4_k / q5_k / q6_k by quant_kgemv.Narrow, 8 weights at a
-              time across the rows. Two accumulators per
-              output: lane t of accumulator s sums k = s*W + t + 2W*i over i in increasing
-              order; they add, then a fixed halving tree folds the lanes. The order of every
-              sum is fixed by K alone (not by M: a row of a batch is bitwise the row alone).
+              time across the rows. Two accumulators per output: lane t of accumulator s
+              sums k = s*W + t + 2W*i over i in increasing order; they add, then a fixed
+              halving tree folds the lanes. The order of every sum is fixed by K alone (not
+              by M: a row of a batch is bitwise the row alone).
   quant_tile  many rows of x: the f32 GEMM's tile kernel (fucina.codegen.gemm.emit_tile:
               packed A panels, MR x NR register tile, one FMA chain per element over k in
               increasing order) with a B panel hook that decodes w, one NR x KC panel at a

@@ -421,8 +421,9 @@ def load(path, ctx, adapters=None, alpha=None, *, kv_dtype: str = "f32",
     the exact one after a near tie. On Zen 5 the exact path is now the faster one too
     (SmolLM2 Q4_1: q8 ~10 % slower at one thread, ~6 % at two); on Zen 3 (AVX2) q8 decodes
     SmolLM2 Q4_1 ~1.1x, Qwen2.5-Coder-0.5B Q4_K_M (q5_0 layers) ~1.3x and Gemma-3-270M
-    Q4_K_M ~1.05x faster at one thread; measure on your CPU before choosing q8. Its bits are the same on AVX2 and AVX-512 hosts; a host
-    without AVX2 runs "q8" as the exact product."""
+    Q4_K_M ~1.05x faster at one thread; measure on your CPU before choosing q8. Its bits are
+    the same on AVX2 and AVX-512 hosts; a host without AVX2 runs "q8" as the exact
+    product."""
     if kv_dtype not in KV_DTYPES:
         raise InvalidArgumentType(f"fu.llm.load: kv_dtype: expected one of {KV_DTYPES}, got "
                                   f"{kv_dtype!r}")
