@@ -22,7 +22,7 @@ materialised in memory as a whole. So each weight the matmul multiplies is bitwi
               from a stack buffer, tables of scale·code where they fit), every row of the
               item at once, 16 weights at a time interleaved across the rows. On 8-lane
               hosts (AVX2) the 32-blocks are converted and scaled per vector
-              (_narrow_block), q4_k / q5_k / q6_k by quant_kgemv.Narrow, 8 weights at a
+              (_narrow_block), q2_k .. q6_k by quant_kgemv.Narrow, 8 weights at a
               time across the rows. Two accumulators per output: lane t of accumulator s
               sums k = s*W + t + 2W*i over i in increasing order; they add, then a fixed
               halving tree folds the lanes. The order of every sum is fixed by K alone (not
@@ -599,7 +599,8 @@ def _build_gemv(key: QuantGemvKey, symbol: str) -> ir.Module:
     bufs = [_buffer(b, bs) for _ in range(CN)]
     sbuf = (_buffer(b, CN * SEGMENT * 2) if walk == "staged" else
             _buffer(b, CN * (SEG_GROUPS * 8 + SEGMENT * 2)) if walk == "interleaved" else None)
-    kbufs = [_buffer(b, kq.SCRATCH) for _ in range(CN)] if walk == "kregs" else None
+    kbufs = ([_buffer(b, kq.SCRATCH if W == 16 else kq.NARROW_SCRATCH) for _ in range(CN)]
+             if walk == "kregs" else None)
     accs = [[[u.entry_alloca(b, u.vec(u.F32, W)) for _ in range(SPLIT)] for _ in range(CN)]
             for _ in range(RM)]
     with u.Loop(b, b.mul(c0, per), u.smin(b, b.mul(c1, per), items), 1, "q") as q:
