@@ -94,12 +94,13 @@ LUT_FORMATS = ("q4_0", "q4_1")   # the K-quants decode by quant_kgemv
 
 
 HEADS = {"q4_0": 2, "q4_1": 4, "q5_0": 2, "q5_1": 4}   # bytes of f16 d (and m) opening a block
+OFFSET = {"q4_0": 8, "q5_0": 16}   # what the decoder subtracts from a code (the rest: 0)
 
 
 def _code_values(fmt, t=0):
     """The 16 values codes 16t .. 16t + 15 stand for before scaling, as the decoder takes them
     (q − 8, q4_0; q − 16, q5_0; q itself with a min): a table's arguments (kq.table)."""
-    offset = {"q4_0": 8, "q5_0": 16}.get(fmt, 0)
+    offset = OFFSET.get(fmt, 0)
     return ir.Constant(ir.VectorType(u.F32, 16), [float(16 * t + q - offset) for q in range(16)])
 
 
@@ -176,7 +177,7 @@ def _narrow_block(b, src, fmt, dm, W):
     q4_1 176 -> 85 µs, q5_0 161 -> ~120 µs."""
     i16, iw, fw = ir.VectorType(u.I32, 16), ir.VectorType(u.I32, W), ir.VectorType(u.F32, W)
     b16 = ir.VectorType(u.I8, 16)
-    offset = {"q4_0": 8, "q5_0": 16}.get(fmt)
+    offset = OFFSET.get(fmt)
     d = u.splat(b, dm[0], W)
     m = u.splat(b, dm[1], W) if fmt in ("q4_1", "q5_1") else None
     if fmt == "q8_0":
@@ -400,7 +401,7 @@ def _narrow_group(b, fmt, src):
     for v in range(2):
         codes = b.load(b.gep(src, [u.i64(32 * v)], source_etype=u.I8), typ=i8v)
         codes.align = 1
-        if fmt in ("q4_0", "q5_0"):   # code ^ 2^(bits-1) read as signed is code - 2^(bits-1)
+        if fmt in OFFSET:   # code ^ 2^(bits-1) read as signed is code - 2^(bits-1), the offset
             top = sum(1 << (bits * f + bits - 1) for f in range(32 // bits))
             codes = b.xor(codes, u.const(i8v, top - (1 << 32) if top >= 1 << 31 else top))
         vecs.append(codes)
@@ -439,7 +440,7 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
     fmt, W = key.fmt, lanes()
     _, nbytes = FORMATS[fmt]
     G, bits = GROUPS[fmt], CODE_BITS[fmt]
-    i16 = ir.VectorType(u.I32, 16)
+    i16, fw = ir.VectorType(u.I32, 16), ir.VectorType(u.F32, W)
     nsc = interleaved_scale_bytes(fmt) // 2
     gbytes = nsc * 2 + 64
     groups = b.sdiv(nblk, u.i64(G))
@@ -482,7 +483,6 @@ def _interleaved_blocks(b, key, w, rows, row_bytes, nblk, ahead, sbuf, use, bloc
                     m = None if nsc == G else u.splat(b, b.load(slot(c, g, G + j),
                                                                  typ=u.F32), W)
                     if W == 8:   # weights 0-7, 8-15, 16-23, 24-31 of block j
-                        fw = ir.VectorType(u.F32, W)
                         decoded = [kq.table(b, b.sitofp(field(2 * j + h, v), fw), d, m)
                                    for h in range(2) for v in range(2)]
                     else:

@@ -36,7 +36,7 @@ I16V = ir.VectorType(u.I32, 16)
 B64 = ir.VectorType(u.I8, 64)
 SCRATCH = 80         # floats of stack buffer a decoder needs (scales, negated mins;
                      # q6_k's 4 runs of 64 code bytes from float 16) ...
-NARROW_SCRATCH = 96  # ... and Narrow's (q2_k's 256 code bytes after its 16 scales and mins)
+NARROW_SCRATCH = 32 + 256 // 4   # ... and Narrow's (q2_k's code bytes after 16 scales, 16 mins)
 FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
@@ -400,10 +400,11 @@ class Narrow(_Decoder):
         super().__init__(b, src, scratch)
         self.fmt, self.W = fmt, W
         self.vectors = 256 // W
-        self.codes_at = 128 if fmt == "q2_k" else 64   # bytes: after the scales (and mins)
         scales, mins = group_scales(b, src, fmt)
+        self.codes_at = 64   # bytes: the codes after the 16 scales ...
         if mins is not None:   # q2_k: the negated mins after the 16 scales
             self._store(b.fneg(mins), 16)
+            self.codes_at = 128   # ... and after the 16 mins
         if fmt in BYTE_CODES:
             self._byte_codes()
         self._store(scales, 0)
