@@ -107,11 +107,12 @@ def test_thread_invariance(ctx1, ctx2):
 def test_many_tensors_fold_in_order(ctx1, ctx2):
     """The chunks of all the tensors of one dtype go in one launch (a table of chunks); with
     the dtypes interleaved, every tensor's partials still land in its own slots and fold in
-    order, at 1 and 2 threads."""
+    order, at 1 and 2 threads. Empty tensors have no chunks (the f16 group has one that is not
+    empty; a group of only empty ones launches nothing)."""
     from fucina.exec import optim as xo
 
-    cases = [(3, "f32"), (CHUNK + 1, "bf16"), (17, "f32"), (2 * CHUNK, "f16"), (CHUNK + 19, "f32"),
-             (5, "bf16")]
+    cases = [(3, "f32"), (CHUNK + 1, "bf16"), (17, "f32"), (2 * CHUNK, "f16"), (0, "f32"),
+             (CHUNK + 19, "f32"), (5, "bf16"), (0, "f16"), (0, "f16")]
     data = [_data(n, dt) for n, dt in cases]
     want = [ref_sum_squares(v) for v, _ in data]
     acc = 0.0
@@ -122,6 +123,8 @@ def test_many_tensors_fold_in_order(ctx1, ctx2):
         each, total = xo.sum_squares_many(ctx, raws)
         assert each == want
         assert total == acc
+        empty = [ctx.tensor(np.zeros(0, np.float32), ("i",))._raw for _ in range(2)]
+        assert xo.sum_squares_many(ctx, empty) == ([0.0, 0.0], 0.0)
 
 
 def test_scaling_many_tensors_is_one_rounded_multiply(ctx1, ctx2):
@@ -129,7 +132,7 @@ def test_scaling_many_tensors_is_one_rounded_multiply(ctx1, ctx2):
     f32(factor), one rounding: numpy's f32 product, bitwise, at 1 and 2 threads."""
     from fucina.exec import optim as xo
 
-    arrays = [RNG.standard_normal(n).astype(np.float32) for n in (1, 33, CHUNK + 7, 3 * CHUNK)]
+    arrays = [RNG.standard_normal(n).astype(np.float32) for n in (1, 33, CHUNK + 7, 0, 3 * CHUNK)]
     for ctx in (ctx1, ctx2):
         raws = [ctx.tensor(a, ("i",))._raw for a in arrays]
         xo.scale_many(raws, 0.3)
