@@ -26,11 +26,13 @@ GOLDENS = Path(__file__).resolve().parent.parent / "tests" / "goldens"
 
 def golden() -> Path:
     """The committed table of this host's vector width: kernel_outputs.json (512-bit, recorded
-    before the formulas moved), kernel_outputs.256.json (AVX2). The two differ in 10 cases,
+    before the formulas moved), kernel_outputs.256.json (AVX2). The two differ in 20 cases,
     every one an output holding NaN: x86 gives a NaN made by an invalid operation the sign bit
     set and a propagated one its operand's sign, and which operand an instruction propagates
     follows instruction selection, which differs between the widths (measured on Zen 3 for
-    the activation grads and KL dx; SPEC leaves a NaN's sign open)."""
+    the activation grads and KL dx; SPEC leaves a NaN's sign open). Twelve of them came with
+    the 8-lane kernels' 32-lane steps for long formulas (codegen/elementwise.vectors_per_step):
+    there such a NaN's sign can differ from the one the same input gets in the last vectors."""
     from fucina.codegen.target import host
 
     bits = host().vector_bits

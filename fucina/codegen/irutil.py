@@ -245,8 +245,9 @@ def narrow_const(st, dtype, value):
 def store(b, v, base, index, dtype: str, mask=None, stream=False):
     """Narrow a compute value to `dtype` and store it at base[index..] (masked if given).
     stream: a non-temporal store of a whole aligned vector (the caller guarantees base[index]
-    sits on a multiple of the vector's size) — it skips reading the line into the cache first,
-    so a result larger than the last-level cache costs its bytes once instead of twice."""
+    sits on a 64-byte line, or on a multiple of a smaller vector's size) — it skips reading the
+    line into the cache first, so a result larger than the last-level cache costs its bytes
+    once instead of twice."""
     v = narrow(b, v, dtype)
     p = b.gep(base, [index], source_etype=STORAGE[dtype])
     if mask is None and stream:
@@ -254,7 +255,7 @@ def store(b, v, base, index, dtype: str, mask=None, stream=False):
         # stored as 64-bit words (f16 then gets vmovntdq; LLVM still folds bf16's integer
         # narrowing into a truncating vpmovdw, which has no non-temporal form)
         s = b.store(b.bitcast(v, ir.VectorType(I64, nbytes // 8)), p)
-        s.align = nbytes
+        s.align = min(nbytes, 64)
         s.set_metadata("nontemporal", b.module.add_metadata([ir.Constant(I32, 1)]))
     elif mask is None:
         s = b.store(v, p)
