@@ -215,6 +215,27 @@ def test_head_sizes_at_default_tiles(ctx1, ctx2, D):
             assert_bitwise(a, b)
 
 
+@pytest.mark.parametrize("S,T,H,KVH,D,kw", [(50, 50, 16, 4, 64, {}), (150, 300, 8, 8, 128, {}),
+                                            (130, 130, 4, 1, 256, {"window": 45}),
+                                            (90, 90, 32, 16, 32, {"causal": False})])
+def test_rows_4k_apart_read_head_major(ctx1, ctx2, monkeypatch, S, T, H, KVH, D, kw):
+    """Operands whose rows lie a multiple of 4 KiB apart (16 heads of 64, 8 of 128, Gemma-3's
+    4 of 256) are read from head-major copies (exa._rows; dq's parts then come head-major, one
+    part at T <= 64, two beyond): torch's values, and bitwise the results of reading them in
+    place, at 1 and 2 threads."""
+    global RNG
+    results = []
+    for ctx in (ctx1, ctx2):
+        RNG = np.random.default_rng(S + H)
+        results.append(check(ctx, S, T, H, KVH, D, **kw))
+    monkeypatch.setattr(exa, "_rows", lambda ctx, x, heads, D: (x, heads * D, D))
+    RNG = np.random.default_rng(S + H)
+    results.append(check(ctx1, S, T, H, KVH, D, **kw))
+    for got in results[1:]:
+        for a, b in zip(results[0], got):
+            assert_bitwise(a, b)
+
+
 @pytest.mark.parametrize("S,T,causal,window", [(1024, 1024, True, 0), (300, 1000, True, 0),
                                                (500, 500, False, 0), (256, 256, True, 40)])
 def test_backward_splits_the_key_tiles_by_work(S, T, causal, window):

@@ -394,10 +394,11 @@ class _Tiles:
 
 
 def _fwd(key, b, args, c0, c1):
-    """args: q [S, H, D], kT [KVH, key tiles, D, BK], v [T, KVH, D], out [S, H·D] (row
-    stride H·D), lse [H, S], bias [S, ·] (key.bias), S, T, H, KVH, scale, causal, window,
-    query tiles, bias row stride. Chunk = (head h, query tile), h outer. The tile's queries
-    run over the key tiles they may attend: s = q·kᵀ (stack), the online softmax per row
+    """args: q, kT [KVH, key tiles, D, BK], v, out [S, H·D] (row stride H·D), lse [H, S],
+    bias [S, ·] (key.bias), S, T, H, KVH, scale, causal, window, query tiles, bias row
+    stride, then q's row and head strides and v's (elements: [S, H, D] has H·D and D, a
+    head-major copy [H, S, D] has D and S·D). Chunk = (head h, query tile), h outer. The
+    tile's queries run over the key tiles they may attend: s = q·kᵀ (stack), the online softmax per row
     (running max m, sum l; p = e^(z − m) over s, alpha = e^(m_old − m)), o = alpha·o + p·v
     (the FMA chain starts from the rescaled o); at the end out = o / l, lse = m + ln l (0 and
     −inf for a row that attended nothing)."""
@@ -406,6 +407,7 @@ def _fwd(key, b, args, c0, c1):
     scale = u.arg_f32(b, args, 10)
     causal = b.icmp_signed("!=", u.arg(b, args, 11), u.i64(0))
     window, nqb, bstride = (u.arg(b, args, i) for i in range(12, 15))
+    q_rs, q_hs, v_rs, v_hs = (u.arg(b, args, i) for i in range(15, 19))
     t = _Tiles(key, b, T)
     W, D, BQ, BK, DP = t.W, t.D, t.BQ, t.BK, t.DP
     s = t.buffer(t.RQ, BK)
@@ -414,7 +416,7 @@ def _fwd(key, b, args, c0, c1):
     scales = u.splat(b, scale, W)
     mx, sx = accs_of(b, t.vt, float("-inf")), accs_of(b, t.vt, 0.0)
     ninf, zero1, one = (u.const(u.F32, x) for x in (float("-inf"), 0.0, 1.0))
-    HD, KD, off = b.mul(H, u.i64(D)), b.mul(KVH, u.i64(D)), b.sub(T, S)
+    HD, off = b.mul(H, u.i64(D)), b.sub(T, S)
     with u.Loop(b, c0, c1, 1, "c") as c:
         h, qt = b.sdiv(c, nqb), b.srem(c, nqb)
         q0 = b.mul(qt, u.i64(BQ))
@@ -422,7 +424,8 @@ def _fwd(key, b, args, c0, c1):
         kvh = b.sdiv(h, b.sdiv(H, KVH))
         last = b.sub(S, u.i64(1))
         hd = b.mul(h, u.i64(D))
-        qrow = lambda i: b.add(b.mul(u.smin(b, b.add(q0, i), last), HD), hd)  # noqa: E731
+        qh = b.mul(h, q_hs)
+        qrow = lambda i: b.add(b.mul(u.smin(b, b.add(q0, i), last), q_rs), qh)  # noqa: E731
         t.fill(mrow, u.i64(t.RQ), float("-inf"))
         t.fill(lrow, u.i64(t.RQ), 0.0)
         t.fill(arow, u.i64(t.RQ), 1.0)
@@ -453,7 +456,7 @@ def _fwd(key, b, args, c0, c1):
                 u.store(b, b.fadd(b.fmul(l_old, alpha), tile_sum), lrow, i, "f32")
                 u.store(b, m_new, mrow, i, "f32")
                 u.store(b, alpha, arow, i, "f32")
-            vrow = lambda j: b.add(b.mul(b.add(k0, j), KD), b.mul(kvh, u.i64(D)))  # noqa: E731
+            vrow = lambda j: b.add(b.mul(b.add(k0, j), v_rs), b.mul(kvh, v_hs))  # noqa: E731
             _mm(b, nq, t.DV, nk,
                 lambda i, j: u.load(b, s, t.col(i, j), "f32"),
                 lambda j, vv: u.load(b, v, b.add(vrow(j), u.i64(vv * W)), "f32", W, t.dmask[vv]),
@@ -474,9 +477,10 @@ def _fwd(key, b, args, c0, c1):
 
 
 def _bwd(key, b, args, c0, c1):
-    """args: q, k (as the forward's), kT, vT [KVH, key tiles, D, BK], dout [S, H, D], lse and
-    Dr [H, S] (Dr = Σ_d dout·out per row), dq [parts, S, H, D], dk, dv [G, T, KVH, D], S, T,
-    H, KVH, scale, causal, window, split, parts, kv (0: no dk, dv). Chunk = (head h, part),
+    """args: q, k, kT, vT [KVH, key tiles, D, BK], dout, lse and Dr [H, S] (Dr = Σ_d
+    dout·out per row), dq [parts, ...], dk, dv [G, T, KVH, D], S, T, H, KVH, scale, causal,
+    window, split, parts, kv (0: no dk, dv), then the row and head strides of q, dout and each
+    part of dq (one layout), and of k (as the forward's q and v). Chunk = (head h, part),
     h outer: part 0 takes key tiles [0, split), part 1 [split, ·) (parts = 1: all). Per key
     tile (its dk, dv on the stack) the query tiles that may attend it, in order: s = q·kᵀ,
     p = e^(z − lse), dv += pᵀ·dout, dp = dout·vᵀ, ds = p·(dp − Dr)·scale, dk += dsᵀ·q,
@@ -489,6 +493,7 @@ def _bwd(key, b, args, c0, c1):
     causal = b.icmp_signed("!=", u.arg(b, args, 15), u.i64(0))
     window, split, parts = (u.arg(b, args, i) for i in range(16, 19))
     kv = b.icmp_signed("!=", u.arg(b, args, 19), u.i64(0))
+    q_rs, q_hs, k_rs, k_hs = (u.arg(b, args, i) for i in range(20, 24))
     t = _Tiles(key, b, T)
     W, D, BQ, BK, DP = t.W, t.D, t.BQ, t.BK, t.DP
     p = t.buffer(t.RQ, BK)
@@ -502,9 +507,9 @@ def _bwd(key, b, args, c0, c1):
     with u.Loop(b, c0, c1, 1, "c") as c:
         h, part = b.sdiv(c, parts), b.srem(c, parts)
         kvh, gi = b.sdiv(h, G), b.srem(h, G)
-        hd = b.mul(h, u.i64(D))
+        qh = b.mul(h, q_hs)
         last = b.sub(S, u.i64(1))
-        qrow = lambda i: b.add(b.mul(u.smin(b, i, last), HD), hd)  # noqa: E731
+        qrow = lambda i: b.add(b.mul(u.smin(b, i, last), q_rs), qh)  # noqa: E731
         dqh = b.gep(dq, [b.mul(part, b.mul(S, HD))], source_etype=u.F32)
         with u.Loop(b, u.i64(0), S, 1, "z") as i:
             t.zero_d(dqh, qrow(i))
@@ -520,7 +525,7 @@ def _bwd(key, b, args, c0, c1):
             qlo = b.select(b.icmp_signed("<", qlo, u.i64(0)), u.i64(0), qlo)
             whi = u.smin(b, S, b.sub(b.add(b.add(k0, nk), window), b.add(off, u.i64(1))))
             qhi = b.select(b.and_(causal, b.icmp_signed(">", window, u.i64(0))), whi, S)
-            krow = lambda j: b.add(b.mul(b.add(k0, j), KD), b.mul(kvh, u.i64(D)))  # noqa: E731
+            krow = lambda j: b.add(b.mul(b.add(k0, j), k_rs), b.mul(kvh, k_hs))  # noqa: E731
             with u.Loop(b, b.mul(b.sdiv(qlo, u.i64(BQ)), u.i64(BQ)), qhi, BQ, "q0") as q0:
                 nq = u.smin(b, u.i64(BQ), b.sub(S, q0))
                 rowq = lambda i: qrow(b.add(q0, i))  # noqa: E731
@@ -555,7 +560,7 @@ def _bwd(key, b, args, c0, c1):
                     t.rows_into(dka, nk, nq, lambda j, i: u.load(b, ds, t.col(i, j), "f32"),
                                 q, rowq, queries)
                 # dq[part] += ds·k, rows past nq masked off
-                dqrow = lambda i: b.add(b.mul(b.add(q0, i), HD), hd)  # noqa: E731
+                dqrow = lambda i: b.add(b.mul(b.add(q0, i), q_rs), qh)  # noqa: E731
 
                 def dq_mask(i, vv):
                     full = t.dmask[vv] if t.dmask[vv] is not None else u.tail_mask(b, u.i64(W), W)
@@ -573,7 +578,7 @@ def _bwd(key, b, args, c0, c1):
             with b.if_then(kv):
                 dst = b.mul(gi, b.mul(T, KD))
                 with u.Loop(b, u.i64(0), nk, 1, "w") as j:
-                    row = b.add(dst, krow(j))
+                    row = b.add(dst, b.add(b.mul(b.add(k0, j), KD), b.mul(kvh, u.i64(D))))
                     for vv in range(t.DV):
                         for acc, x in ((dka, dk), (dva, dv)):
                             u.store(b, u.load(b, acc, t.at(j, vv, DP), "f32", W), x,
