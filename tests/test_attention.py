@@ -217,12 +217,13 @@ def test_head_sizes_at_default_tiles(ctx1, ctx2, D):
 
 @pytest.mark.parametrize("S,T,H,KVH,D,kw", [(50, 50, 16, 4, 64, {}), (150, 300, 8, 8, 128, {}),
                                             (130, 130, 4, 1, 256, {"window": 45}),
-                                            (90, 90, 32, 16, 32, {"causal": False})])
-def test_rows_4k_apart_read_head_major(ctx1, ctx2, monkeypatch, S, T, H, KVH, D, kw):
-    """Operands whose rows lie a multiple of 4 KiB apart (16 heads of 64, 8 of 128, Gemma-3's
-    4 of 256) are read from head-major copies (exa._rows; dq's parts then come head-major, one
-    part at T <= 64, two beyond): torch's values, and bitwise the results of reading them in
-    place, at 1 and 2 threads."""
+                                            (90, 90, 32, 16, 32, {"causal": False}),
+                                            (70, 200, 8, 2, 64, {})])
+def test_rows_2k_apart_read_head_major(ctx1, ctx2, monkeypatch, S, T, H, KVH, D, kw):
+    """Operands whose rows lie a multiple of 2 KiB apart (16 heads of 64, 8 of 64 or 128,
+    Gemma-3's 4 of 256) are read from head-major copies (exa._rows; dq's parts then come
+    head-major, one part at T <= 64, two beyond): torch's values, and bitwise the results of
+    reading them in place, at 1 and 2 threads."""
     global RNG
     results = []
     for ctx in (ctx1, ctx2):

@@ -8,7 +8,7 @@ window w > 0 only [T − S + i − w + 1, T − S + i].
 
 The kernels read k (and, backward, v) also as kᵀ, in key tiles of BK: [KVH, tiles, D, BK], a
 copy made here; and q, v (backward: q, dout, k) row by row, in place or, when their rows lie
-a multiple of 4 KiB apart, from head-major copies (_rows). The forward's chunks are (head, query tile) and write disjoint rows of out and
+a multiple of 2 KiB apart, from head-major copies (_rows). The forward's chunks are (head, query tile) and write disjoint rows of out and
 lse. The backward's are (head, part of the key tiles): each writes its own dq partial
 [part, S, H, D] and its own dk, dv partial [h mod G, T, KVH, D]; the parts and the group's
 heads are then added in a fixed order. So the bits depend on the shapes alone, never on the
@@ -53,15 +53,20 @@ class Geometry:
         return lo, max(lo, hi)
 
 
+ALIASED_ROWS = 2048   # bytes: rows a multiple of this apart are read from a head-major copy
+
+
 def _rows(ctx, x, heads, D):
     """(x or a copy, row stride, head stride) of a [rows, heads, D] operand as the fused
     kernels read it: in place, or as a head-major copy [heads, rows, D] when its rows lie a
-    multiple of 4 KiB apart. There a micro-tile's rows (and a key tile's) all fall in the same
-    L1 sets, and the kernels reread them from L2: 16 heads of 64 (Gemma-3's 4 of 256,
-    Qwen3's 16 of 128 too) ran forward + backward at 52 against 65 GFLOP/s for 15 or 17
-    heads (Zen 3, seq 1024, one thread). The same products and sums: the same bits."""
+    multiple of ALIASED_ROWS bytes apart. There a micro-tile's rows (and a key tile's) fall in
+    one or two groups of L1 sets, and the kernels reread them from L2. Zen 3, seq 1024, forward
+    + backward, one thread: 16 heads of 64 (4 KiB; Gemma-3's 4 of 256, Qwen3's 16 of 128 too)
+    ran at 52 GFLOP/s against 65 for 15 or 17 heads, 1.23-1.29x faster with the copies; 8 heads
+    of 64 (2 KiB) 1.02-1.07x at one thread, 1.07x at two (A/B pairs). The same products and
+    sums: the same bits."""
     rows = x.shape[0]
-    if heads * D * 4 % 4096 or heads == 1:
+    if heads * D * 4 % ALIASED_ROWS or heads == 1:
         return x, heads * D, D
     shape = (heads, rows, D)
     copy = ctx.empty(shape, "f32")
