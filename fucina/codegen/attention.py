@@ -394,14 +394,14 @@ class _Tiles:
 
 
 def _fwd(key, b, args, c0, c1):
-    """args: q, kT [KVH, key tiles, D, BK], v, out [S, H·D] (row stride H·D), lse [H, S],
-    bias [S, ·] (key.bias), S, T, H, KVH, scale, causal, window, query tiles, bias row
-    stride, then q's row and head strides and v's (elements: [S, H, D] has H·D and D, a
-    head-major copy [H, S, D] has D and S·D). Chunk = (head h, query tile), h outer. The
-    tile's queries run over the key tiles they may attend: s = q·kᵀ (stack), the online softmax per row
-    (running max m, sum l; p = e^(z − m) over s, alpha = e^(m_old − m)), o = alpha·o + p·v
-    (the FMA chain starts from the rescaled o); at the end out = o / l, lse = m + ln l (0 and
-    −inf for a row that attended nothing)."""
+    """args: q, kT [KVH, key tiles, D, BK], v, out [S, H·D] (row stride H·D), lse [H, S], bias
+    [S, ·] (key.bias), S, T, H, KVH, scale, causal, window, query tiles, bias row stride, then
+    q's row and head strides and v's (elements: [S, H, D] has H·D and D, a head-major copy [H,
+    S, D] has D and S·D). Chunk = (head h, query tile), h outer. The tile's queries run over
+    the key tiles they may attend: s = q·kᵀ (stack), the online softmax per row (running max m,
+    sum l; p = e^(z − m) over s, alpha = e^(m_old − m)), o = alpha·o + p·v (the FMA chain
+    starts from the rescaled o); at the end out = o / l, lse = m + ln l (0 and −inf for a row
+    that attended nothing)."""
     q, kT, v, out, lse, bias = (u.arg_ptr(b, args, i) for i in range(6))
     S, T, H, KVH = (u.arg(b, args, i) for i in range(6, 10))
     scale = u.arg_f32(b, args, 10)
