@@ -9,9 +9,10 @@ window w > 0 only [T − S + i − w + 1, T − S + i].
 The kernels read k (and, backward, v) also as kᵀ, in key tiles of BK: [KVH, tiles, D, BK], a
 copy made here; and q, v (backward: q, dout, k) row by row, in place or, when their rows lie
 a multiple of 2 KiB apart, from head-major copies (_rows). The forward's chunks are (head,
-query tile) and write disjoint rows of out and lse. The backward's are (head, part of the key tiles): each writes its own dq partial
-[part, S, H, D] and its own dk, dv partial [h mod G, T, KVH, D]; the parts and the group's
-heads are then added in a fixed order. So the bits depend on the shapes alone, never on the
+query tile) and write disjoint rows of out and lse. The backward's are (head, part of the key
+tiles): each writes its own dq partial [part, S, H, D] (or [part, H, S, D] beside a head-major
+q) and its own dk, dv partial [h mod G, T, KVH, D]; the parts and the group's heads are then
+added in a fixed order. So the bits depend on the shapes alone, never on the
 thread count.
 """
 from __future__ import annotations
