@@ -401,10 +401,9 @@ class Narrow(_Decoder):
         self.fmt, self.W = fmt, W
         self.vectors = 256 // W
         scales, mins = group_scales(b, src, fmt)
-        self.codes_at = 64   # bytes: the codes after the 16 scales ...
-        if mins is not None:   # q2_k: the negated mins after the 16 scales
+        self.codes_at = 64 if mins is None else 128   # bytes: the codes after the 16 scales
+        if mins is not None:   # q2_k: the negated mins after the 16 scales (and before them)
             self._store(b.fneg(mins), 16)
-            self.codes_at = 128   # ... and after the 16 mins
         if fmt in BYTE_CODES:
             self._byte_codes()
         self._store(scales, 0)

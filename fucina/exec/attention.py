@@ -69,10 +69,7 @@ def _rows(ctx, x, heads, D):
     rows = x.shape[0]
     if heads * D * 4 % ALIASED_ROWS or heads == 1:
         return x, heads * D, D
-    shape = (heads, rows, D)
-    copy = ctx.empty(shape, "f32")
-    ew.run(ctx, "copy", "f32", shape, [x.view(shape, (D, heads * D, 1), x.offset)], out=copy)
-    return copy, D, rows * D
+    return ew.materialize(ctx, x.view((heads, rows, D), (D, heads * D, 1), x.offset)), D, rows * D
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,9 +179,7 @@ def backward(ctx, q, k, v, out, lse, g, geo: Geometry, scale: float, kv_grads: b
                int(kv_grads), q_rs, q_hs, k_rs, k_hs)
     if head_major:
         dqp = dqp.view((parts, S, H, D), (H * S * D, D, S * D, 1), dqp.offset)
-    dq = _sum_first(ctx, dqp)
-    if head_major and parts == 1:   # a strided view of the parts: made [S, H, D]
-        dq = ew.run(ctx, "copy", "f32", (S, H, D), [dq])
+    dq = ew.materialize(ctx, _sum_first(ctx, dqp))   # one head-major part is still a view
     if not kv_grads:
         return dq, None, None
     return dq, _sum_first(ctx, dkp), _sum_first(ctx, dvp)
