@@ -500,6 +500,8 @@ def _bwd(key, b, args, c0, c1):
     ds = t.buffer(t.RQ, BK)
     dka = t.buffer(t.RK, DP)
     dva = t.buffer(t.RK, DP)
+    spare = t.buffer(0, DP)
+    t.fill(spare, u.i64(DP), 0.0)
     scales = u.splat(b, scale, W)
     G = b.sdiv(H, KVH)
     HD, KD, off = b.mul(H, u.i64(D)), b.mul(KVH, u.i64(D)), b.sub(T, S)
@@ -564,20 +566,20 @@ def _bwd(key, b, args, c0, c1):
                 with b.if_then(kv):    # dk += dsᵀ·q
                     t.rows_into(dka, nk, nq, lambda j, i: u.load(b, ds, t.col(i, j), "f32"),
                                 q, inq, queries)
-                # dq[part] += ds·k, rows past nq masked off
+                # dq[part] += ds·k; a micro-tile's rows past nq add into the spare row (plain
+                # loads and stores: AVX2's masked store is microcoded, 12 of them a block)
 
-                def dq_mask(i, vv):
-                    full = t.dmask[vv] if t.dmask[vv] is not None else u.tail_mask(b, u.i64(W), W)
-                    return b.select(b.icmp_signed("<", i, nq), full, gemm.zero_mask(W))
+                def dq_row(i):
+                    return b.select(b.icmp_signed("<", i, nq),
+                                    b.gep(dqh, [inq(i)], source_etype=u.F32), spare)
 
                 _mm(b, nq, t.DV, nk,
                     lambda i, j: u.load(b, ds, t.col(i, j), "f32"),
                     lambda j, vv: u.load(b, k, b.add(krow(j), u.i64(vv * W)), "f32", W,
                                          t.dmask[vv]),
-                    lambda i, vv: u.load(b, dqh, b.add(inq(i), u.i64(vv * W)), "f32", W,
-                                         dq_mask(i, vv)),
-                    lambda i, vv, acc: u.store(b, acc, dqh, b.add(inq(i), u.i64(vv * W)),
-                                               "f32", dq_mask(i, vv)),
+                    lambda i, vv: u.load(b, dq_row(i), u.i64(vv * W), "f32", W, t.dmask[vv]),
+                    lambda i, vv, acc: u.store(b, acc, dq_row(i), u.i64(vv * W), "f32",
+                                               t.dmask[vv]),
                     krange=t.keys_of(pos, k0, nk, causal, window))
             with b.if_then(kv):
                 dst = b.mul(gi, b.mul(T, KD))
