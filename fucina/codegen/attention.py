@@ -34,7 +34,7 @@ from . import irutil as u
 from . import vmath
 from .emit import fold, lane_tree
 from .kernels import KernelKey, register
-from .rows import accs_of, exp_sum, fadd, finite, fmax, fold_pass, map_pass, max_of
+from .rows import accs_of, exp_sum, fadd, finite, fmax, fold_pass, long_step, map_pass, max_of
 from .target import host
 
 OPS = ("forward", "backward", "rowdot", "decode")
@@ -544,10 +544,14 @@ def _bwd(key, b, args, c0, c1):
                     lv = u.load(b, lse, b.add(b.mul(h, S), b.add(q0, i)), "f32")
                     hi = b.select(finite(b, lv), hi, lo)   # a row that attended nothing: p = 0
                     sb = b.gep(p, [b.mul(i, u.i64(BK))], source_etype=u.F32)
-                    z = _scores(key, b, sb, None, scales, W)
                     ls = u.splat(b, lv, W)
-                    map_pass(b, lo, hi, W, lambda col, m: u.store(
-                        b, vmath.exp(b, b.fsub(z(col, m), ls)), sb, col, "f32", m))
+
+                    def p_of(col, m, lanes=W):   # p = e^(z − lse), long_step vectors a step
+                        sc, l = ((scales, ls) if lanes == W else
+                                 (u.splat(b, scale, lanes), u.splat(b, lv, lanes)))
+                        z = b.fmul(u.load(b, sb, col, "f32", lanes, m), sc)
+                        u.store(b, vmath.exp(b, b.fsub(z, l)), sb, col, "f32", m)
+                    map_pass(b, lo, hi, W, p_of, long_step(W))
                     _zero_outside(b, sb, lo, hi, u.i64(BK), W)
                 queries = t.queries_of(pos(u.i64(0)), k0, nq, causal, window)
                 with b.if_then(kv):    # dv += pᵀ·dout

@@ -11,8 +11,8 @@ key fixes is the *role* of each input's innermost axis:
 
 The outer axes are walked with a carried multi-index, so one kernel serves every shape of its
 class. Vector width comes from the target; the last partial vector uses masked loads/stores.
-A long lane formula (exp, tanh, erf, a sigmoid: LONG_FORMULA instructions or more) runs
-WIDE_STEP vectors per step on 8-lane hosts, then single vectors (vectors_per_step).
+A long lane formula (exp, tanh, erf, a sigmoid: rows.LONG_FORMULA instructions or more) runs
+rows.WIDE_STEP vectors per step on 8-lane hosts, then single vectors (vectors_per_step).
 
 Argument block: out, in_0..in_{k-1} (pointer, or the param's bits), n, chunk, shape[r],
 then r strides per tensor input.
@@ -46,6 +46,7 @@ from . import activations, loss, masks, typed
 from . import irutil as u
 from .kernels import KernelKey, register
 from .lowering import lower_table
+from .rows import map_pass, wide_step
 from .target import host
 
 
@@ -115,20 +116,10 @@ def _setup(key: ElementwiseKey, symbol: str):
     return mod, b, args, c0, c1, fn, lanes, out, ins
 
 
-WIDE_STEP = 4       # vectors per step of a long formula on an 8-lane host (vectors_per_step)
-LONG_FORMULA = 16   # instructions in one lane formula from which it is long
-
-
 @functools.lru_cache(maxsize=None)
 def vectors_per_step(op: str, in_dtypes: tuple, lanes: int) -> int:
-    """WIDE_STEP for a long formula on an 8-lane (AVX2) host, else 1. A long formula is one
-    dependency chain of 16-45 instructions (exp, tanh, erf, sigmoid...): with one vector a step
-    Zen 3's out-of-order window holds about one chain and waits on its latencies. A step of
-    four vectors is one 32-lane vector, which LLVM splits into four 8-lane chains emitted side
-    by side. Each lane runs the same operations, so the bits are the same. Zen 3, [256, 3072],
-    one thread: silu 1.23x, silu_grad 1.25x, swiglu 1.23x and its two grads 1.22x, gelu
-    1.29x, gelu_grad 1.40x, sigmoid 1.20x, tanh / log / exp 1.13-1.14x, gelu_erf 1.07x; add,
-    mul, relu, sqrt the same (they stay one vector a step). Not measured with 16 lanes."""
+    """rows.wide_step of the op's lane formula, emitted once into a throwaway function to
+    count its instructions (8 lanes only: elsewhere it is 1 without a probe)."""
     if lanes != 8:
         return 1
     fn = op_table(domain(in_dtypes), op)[op][1]
@@ -136,8 +127,7 @@ def vectors_per_step(op: str, in_dtypes: tuple, lanes: int) -> int:
     probe = ir.Function(ir.Module(), ir.FunctionType(ir.VoidType(), types), "probe")
     pb = ir.IRBuilder(probe.append_basic_block())
     fn(pb, *probe.args)
-    size = sum(len(block.instructions) for block in probe.blocks)
-    return WIDE_STEP if size >= LONG_FORMULA else 1
+    return wide_step(sum(len(block.instructions) for block in probe.blocks), lanes)
 
 
 def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
@@ -184,19 +174,12 @@ def _build(key: ElementwiseKey, symbol: str) -> ir.Module:
                 o = b.mul(i, strides[-1][r - 1]) if key.out_role == "strided" else i
                 u.store(b, fn(b, *operands(i, None)), obase, o, key.out_dtype)
             return
-        start = u.i64(0)
-        step = lanes * vectors_per_step(key.op, key.in_dtypes, lanes)
-        if step > lanes:
-            start = b.sub(length, b.srem(length, u.i64(step)))
-            with u.Loop(b, u.i64(0), start, step, "w") as i:
-                u.store(b, fn(b, *operands(i, step)), obase, i, key.out_dtype, stream=key.stream)
-        full = b.sub(length, b.srem(length, u.i64(lanes)))
-        with u.Loop(b, start, full, lanes, "v") as i:
-            u.store(b, fn(b, *operands(i, lanes)), obase, i, key.out_dtype, stream=key.stream)
-        rest = b.sub(length, full)
-        with b.if_then(b.icmp_signed(">", rest, u.i64(0))):
-            mask = u.tail_mask(b, rest, lanes)
-            u.store(b, fn(b, *operands(full, lanes, mask)), obase, full, key.out_dtype, mask)
+        def vector(i, mask, lanes=lanes):
+            u.store(b, fn(b, *operands(i, lanes, mask)), obase, i, key.out_dtype, mask,
+                    stream=key.stream and mask is None)
+
+        map_pass(b, u.i64(0), length, lanes, vector,
+                 vectors_per_step(key.op, key.in_dtypes, lanes))
 
     if r == 1:
         offs = {j: b.mul(e0, strides[j][0]) for j in tensors}
