@@ -106,7 +106,7 @@ def ref64(op, x):
 # fucina/kernel_templates/activations.py); gelu_erf adds |x|·2^-25 absolute for x < -1 (see its test)
 BOUND = {"exp": 1.1, "sigmoid": 1.6, "silu": 2.0, "log": 1.0, "log1p": 1.0, "softplus": 1.9,
          "sin": 1.7, "cos": 1.9, "tanh": 1.4, "gelu": 2.0, "quick_gelu": 2.0, "softcap_30": 1.8,
-         "softcap_15": 1.8, "elu": 1.5, "gelu_erf": 2.0, "erf": 1.1}
+         "softcap_15": 1.8, "elu": 1.5, "gelu_erf": 2.0, "erf": 1.2}
 DOMAIN = {"log": (0, np.inf), "sin": (-2.0 ** 20, 2.0 ** 20), "cos": (-2.0 ** 20, 2.0 ** 20),
           "log1p": (-1, np.inf)}
 
