@@ -73,11 +73,13 @@ def _clamp(b, v, lo, hi):
 
 
 def _scores(key, b, sb, biasb, scales, W):
-    """z(c, mask): the scaled (and biased) scores of a row."""
-    def z(c, m):
-        v = b.fmul(u.load(b, sb, c, "f32", W, m), scales)
+    """z(c, mask, lanes): the scaled (and biased) scores of a row, W lanes at a time (scales:
+    the scale splat to W) or the lanes of a map_pass wide step."""
+    def z(c, m, lanes=W):
+        sc = scales if lanes == W else u.splat(b, b.extract_element(scales, u.i64(0)), lanes)
+        v = b.fmul(u.load(b, sb, c, "f32", lanes, m), sc)
         if key.bias:
-            v = b.fadd(v, u.load(b, biasb, c, "f32", W, m))
+            v = b.fadd(v, u.load(b, biasb, c, "f32", lanes, m))
         return v
     return z
 
@@ -544,13 +546,12 @@ def _bwd(key, b, args, c0, c1):
                     lv = u.load(b, lse, b.add(b.mul(h, S), b.add(q0, i)), "f32")
                     hi = b.select(finite(b, lv), hi, lo)   # a row that attended nothing: p = 0
                     sb = b.gep(p, [b.mul(i, u.i64(BK))], source_etype=u.F32)
+                    z = _scores(key, b, sb, None, scales, W)
                     ls = u.splat(b, lv, W)
 
                     def p_of(col, m, lanes=W):   # p = e^(z − lse), long_step vectors a step
-                        sc, l = ((scales, ls) if lanes == W else
-                                 (u.splat(b, scale, lanes), u.splat(b, lv, lanes)))
-                        z = b.fmul(u.load(b, sb, col, "f32", lanes, m), sc)
-                        u.store(b, vmath.exp(b, b.fsub(z, l)), sb, col, "f32", m)
+                        l = ls if lanes == W else u.splat(b, lv, lanes)
+                        u.store(b, vmath.exp(b, b.fsub(z(col, m, lanes), l)), sb, col, "f32", m)
                     map_pass(b, lo, hi, W, p_of, long_step(W))
                     _zero_outside(b, sb, lo, hi, u.i64(BK), W)
                 queries = t.queries_of(pos(u.i64(0)), k0, nq, causal, window)

@@ -401,8 +401,8 @@ class Narrow(_Decoder):
         self.fmt, self.W = fmt, W
         self.vectors = 256 // W
         scales, mins = group_scales(b, src, fmt)
-        self.codes_at = 64 if mins is None else 128   # bytes: the codes after the 16 scales
-        if mins is not None:   # q2_k: the negated mins after the 16 scales (and before them)
+        self.codes_at = 64 if mins is None else 128   # bytes: the codes follow the 16 scales
+        if mins is not None:   # q2_k: its 16 negated mins come between them
             self._store(b.fneg(mins), 16)
         if fmt in BYTE_CODES:
             self._byte_codes()
