@@ -130,6 +130,11 @@ class DuplicateParam(OptimError, EsError):
     """The same parameter was registered twice."""
 
 
+class ParamNotRegistered(OptimError, KeyError):
+    """An optimizer was asked about a tensor it does not hold (state_of). Still a KeyError,
+    as a mapping's own lookup is."""
+
+
 globals().update(_family(TrainerStateError, [
     "InvalidTrainerState", "UnsupportedTrainerStateVersion"], "trainer_state.json error."))
 globals().update(_family(LoraError, ["InvalidRank", "InvalidDropout"], "LoRA error."))

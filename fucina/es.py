@@ -83,9 +83,9 @@ import numpy as np
 
 from .ag.tensor import Tensor
 from .errors import (AnchorMissing, CheckpointConfigMismatch, DTypeError, DuplicateParam,
-                     IndexOutOfBounds, InvalidConfig, InvalidTrainerState, MemberActive,
-                     MemberNotActive, NonContiguousParam, NoParams, ReplicaShapeMismatch,
-                     RewardCountMismatch, UnsupportedDType)
+                     IndexOutOfBounds, InvalidArgumentType, InvalidConfig, InvalidTrainerState,
+                     MemberActive, MemberNotActive, NoParams, NonContiguousParam,
+                     ReplicaShapeMismatch, RewardCountMismatch, UnsupportedDType)
 from .es_ternary import TRITS_DOMAIN, TernaryMethods
 from .exec import es as xes
 from .exec import rng as xrng
@@ -164,7 +164,7 @@ def _flag(cfg, name: str) -> None:
 def validate_config(cfg: EsConfig) -> EsConfig:
     """SPEC T-25's checks (InvalidConfig), on the float32 values the trainer uses."""
     if not isinstance(cfg, EsConfig):
-        raise TypeError(f"es.Trainer: expected an EsConfig, got {type(cfg).__name__}")
+        raise InvalidArgumentType(f"es.Trainer: expected an EsConfig, got {type(cfg).__name__}")
     sigma = _real(cfg, "sigma")
     if not (np.isfinite(sigma) and sigma > 0):
         raise InvalidConfig(f"es.Trainer: sigma: expected a finite float32 > 0, got {cfg.sigma!r}")
@@ -298,7 +298,7 @@ def _raw_of(t, where: str, what: str) -> RawTensor:
     if isinstance(t, RawTensor):
         t.ctx.check_open(where)
         return t
-    raise TypeError(f"{where}: {what}: expected a fucina Tensor, got {type(t).__name__}")
+    raise InvalidArgumentType(f"{where}: {what}: expected a fucina Tensor, got {type(t).__name__}")
 
 
 def _check_float(raw: RawTensor, where: str, what: str, err=DTypeError) -> None:
@@ -325,8 +325,8 @@ class Trainer(TernaryMethods):
         if config is None:
             config = EsConfig(**options)  # an unknown keyword is a TypeError
         elif options:
-            raise TypeError(f"es.Trainer: pass an EsConfig or keyword options, not both "
-                            f"(got {sorted(options)})")
+            raise InvalidArgumentType(f"es.Trainer: pass an EsConfig or keyword options, not both "
+                                      f"(got {sorted(options)})")
         self.config = validate_config(config)
         self.iteration = 0
         self.active_member: int | None = None
@@ -383,9 +383,9 @@ class Trainer(TernaryMethods):
         (same storage twice)."""
         where = "es.Trainer.add_param"
         if not isinstance(t, Tensor):
-            raise TypeError(f"{where}: expected a fucina Tensor, got {type(t).__name__}")
+            raise InvalidArgumentType(f"{where}: expected a fucina Tensor, got {type(t).__name__}")
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"{where}: expected a str name, got {type(name).__name__}")
+            raise InvalidArgumentType(f"{where}: expected a str name, got {type(name).__name__}")
         raw = t._live(where)
         _check_float(raw, where, f"param {name or t.tags!r}")
         self._guard_idle(where)
@@ -619,8 +619,8 @@ class Trainer(TernaryMethods):
         """materialize_member for a task made by a trainer in the same state; InvalidConfig when
         the task's seed or iteration differs from this trainer's (an out-of-sync replica)."""
         if not isinstance(task, MemberTask):
-            raise TypeError(f"es.Trainer.materialize_task: expected a MemberTask, got "
-                            f"{type(task).__name__}")
+            raise InvalidArgumentType(f"es.Trainer.materialize_task: expected a MemberTask, got "
+                                      f"{type(task).__name__}")
         if (task.seed, task.iteration) != (self.config.seed, self.iteration):
             raise InvalidConfig(f"es.Trainer.materialize_task: expected a task of seed "
                                 f"{self.config.seed} iteration {self.iteration}, got seed "

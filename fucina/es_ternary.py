@@ -51,7 +51,7 @@ import numpy as np
 from .ag.tensor import Tensor
 from .errors import (CheckpointDtypeMismatch, CheckpointDuplicateName, CheckpointMissingEntry,
                      CheckpointShapeMismatch, CheckpointUnknownName, DTypeError, DuplicateParam,
-                     IndexOutOfBounds, InvalidConfig, ReplicaShapeMismatch)
+                     IndexOutOfBounds, InvalidArgumentType, InvalidConfig, ReplicaShapeMismatch)
 from .exec import es as xes
 from .exec import es_ternary as xt
 from .gguf import read as gguf_read
@@ -116,7 +116,8 @@ class _TernarySlot:
 def _genome(t, where: str, what: str):
     """The TQ2_0 storage of tensor t, or the error saying what was expected."""
     if not isinstance(t, Tensor):
-        raise TypeError(f"{where}: {what}: expected a fucina Tensor, got {type(t).__name__}")
+        raise InvalidArgumentType(f"{where}: {what}: expected a fucina Tensor, got "
+                                  f"{type(t).__name__}")
     raw = t._live(where)
     if raw.dtype != TERNARY_DTYPE:
         raise DTypeError(f"{where}: {what}: expected a {TERNARY_DTYPE} tensor (a ternary genome, "
@@ -139,7 +140,7 @@ class TernaryMethods:
         DuplicateParam (the same storage twice)."""
         where = "es.Trainer.add_ternary_param"
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"{where}: expected a str name, got {type(name).__name__}")
+            raise InvalidArgumentType(f"{where}: expected a str name, got {type(name).__name__}")
         what = f"genome {name or getattr(t, 'tags', '')!r}"
         raw = _genome(t, where, what)
         self._guard_idle(where)

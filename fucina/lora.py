@@ -41,7 +41,7 @@ from .ag.elementwise import add_scaled
 from .ag.engine import Leaf, no_grad, sole_view
 from .ag.matmul import add_scaled_dot_into, lora_linear
 from .ag.tensor import Tensor
-from .errors import (DTypeError, InvalidArgument, InvalidDropout, InvalidRank,
+from .errors import (DTypeError, InvalidArgument, InvalidArgumentType, InvalidDropout, InvalidRank,
                      MutableDataRequiresNoGrad, ReadOnlyStorage, ShapeMismatch, TagError,
                      UseAfterRelease)
 from .exec.quant import BLOCKS
@@ -66,13 +66,13 @@ class LoraConfig:
 
 def _int(v, op: str, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{op}: expected an int {what}, got {type(v).__name__} {v!r}")
+        raise InvalidArgumentType(f"{op}: expected an int {what}, got {type(v).__name__} {v!r}")
     return int(v)
 
 
 def _f32(v, op: str, what: str) -> np.float32:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{op}: expected a real {what}, got {type(v).__name__} {v!r}")
+        raise InvalidArgumentType(f"{op}: expected a real {what}, got {type(v).__name__} {v!r}")
     with np.errstate(over="ignore"):
         return np.float32(v)
 
@@ -110,7 +110,8 @@ class Adapter:
         min(in_dim, out_dim); InvalidDropout unless 0 <= dropout_p < 1."""
         op = "lora.Adapter.init"
         if not isinstance(config, LoraConfig):
-            raise TypeError(f"{op}: expected a lora.LoraConfig, got {type(config).__name__}")
+            raise InvalidArgumentType(f"{op}: expected a lora.LoraConfig, got "
+                                      f"{type(config).__name__}")
         in_dim, out_dim = _int(in_dim, op, "in_dim"), _int(out_dim, op, "out_dim")
         rank = _int(config.rank, op, "rank")
         if not 1 <= rank <= min(in_dim, out_dim):
@@ -162,7 +163,8 @@ class Adapter:
     def _check_input(self, op: str, x) -> tuple:
         a, _ = self._weights(op)
         if not isinstance(x, Tensor):
-            raise TypeError(f"{op}: expected x to be a fucina Tensor, got {type(x).__name__}")
+            raise InvalidArgumentType(f"{op}: expected x to be a fucina Tensor, got "
+                                      f"{type(x).__name__}")
         same_ctx(op, a, x)
         r = x._live(op)
         if r.dtype != "f32":
@@ -209,7 +211,8 @@ class Adapter:
         op = "lora.Adapter.apply"
         tags = self._check_input(op, x)
         if not isinstance(base, Tensor):
-            raise TypeError(f"{op}: expected base to be a fucina Tensor, got {type(base).__name__}")
+            raise InvalidArgumentType(f"{op}: expected base to be a fucina Tensor, got "
+                                      f"{type(base).__name__}")
         same_ctx(op, x, base)
         rb = base._live(op)
         if rb.dtype != "f32":
@@ -240,7 +243,8 @@ class Adapter:
         op = "lora.Adapter.project"
         self._check_input(op, x)
         if not isinstance(w, Tensor):
-            raise TypeError(f"{op}: expected w to be a fucina Tensor, got {type(w).__name__}")
+            raise InvalidArgumentType(f"{op}: expected w to be a fucina Tensor, got "
+                                      f"{type(w).__name__}")
         if compute not in ("f32", "bf16"):
             raise InvalidArgument(f"{op}: expected compute 'f32' or 'bf16', got {compute!r}")
         same_ctx(op, x, w)
@@ -283,7 +287,8 @@ class Adapter:
     def _check_base(self, op: str, w, dtype: str, other: str) -> None:
         a, b = self._weights(op)
         if not isinstance(w, Tensor):
-            raise TypeError(f"{op}: expected a fucina Tensor weight, got {type(w).__name__}")
+            raise InvalidArgumentType(f"{op}: expected a fucina Tensor weight, got "
+                                      f"{type(w).__name__}")
         same_ctx(op, a, w)
         r = w._live(op)
         if r.dtype in BLOCKS:

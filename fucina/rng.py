@@ -35,7 +35,8 @@ import numbers
 
 import numpy as np
 
-from .errors import DTypeError, InvalidShape, MutableDataRequiresNoGrad
+from .errors import (DTypeError, InvalidArgument, InvalidArgumentType, InvalidShape,
+                     MutableDataRequiresNoGrad)
 from .ag.engine import Leaf
 from .ag.tensor import Tensor
 from .exec import elementwise as ew
@@ -113,13 +114,13 @@ def dropout_keeps(seed: int, i: int, p: float) -> bool:
 
 def _u64(v, op: str, what: str = "seed") -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{op}: expected an int {what}, got {type(v).__name__}")
+        raise InvalidArgumentType(f"{op}: expected an int {what}, got {type(v).__name__}")
     return int(v) & MASK64
 
 
 def _f32(v, op: str) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{op}: expected a real number, got {type(v).__name__}")
+        raise InvalidArgumentType(f"{op}: expected a real number, got {type(v).__name__}")
     return float(np.float32(v))
 
 
@@ -146,7 +147,8 @@ class _Target:
                     f"{op}: expected a tensor without a gradient graph (a constant or a variable), "
                     f"got an op result that requires grad")
         else:
-            raise TypeError(f"{op}: expected out to be a Tensor, got {type(out).__name__}")
+            raise InvalidArgumentType(f"{op}: expected out to be a Tensor, got "
+                                      f"{type(out).__name__}")
         if raw.dtype != dtype:
             raise DTypeError(f"{op}: expected out of dtype {dtype}, got {raw.dtype}")
         self.out, self.view, self.ctx = out, raw, raw.ctx
@@ -241,9 +243,9 @@ def randint_fill(seed: int, out, low: int, high: int):
     seed = _u64(seed, op)
     for v in (low, high):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not -(1 << 63) <= v < 1 << 63:
-            raise TypeError(f"{op}: expected low and high to be i64 ints, got {v!r}")
+            raise InvalidArgumentType(f"{op}: expected low and high to be i64 ints, got {v!r}")
     if not low < high:
-        raise ValueError(f"{op}: expected low < high, got low={low} high={high}")
+        raise InvalidArgument(f"{op}: expected low < high, got low={low} high={high}")
     t = _Target(out, "i64", op)
     xr.randint_fill(t.ctx, t.raw, seed, int(low), int(high))
     return t.done()

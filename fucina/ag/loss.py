@@ -59,7 +59,7 @@ def host_labels(op: str, labels, R: int, K: int, ignore_index=None, positions=No
 def check_loss_scale(op: str, loss_scale) -> None:
     """A loss multiplier must be a real number (not a bool): the trainer's losses scale by it."""
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
-        raise TypeError(f"{op}: expected a real loss_scale, got {loss_scale!r}")
+        raise InvalidArgumentType(f"{op}: expected a real loss_scale, got {loss_scale!r}")
 
 
 def encode_labels(arr, ignored, K: int) -> np.ndarray:

@@ -14,6 +14,7 @@ import struct
 import zlib
 
 import numpy as np
+from ..errors import InvalidArgument
 
 __all__ = ["png_bytes", "loss_curves_png", "draw_text"]
 
@@ -22,9 +23,9 @@ def png_bytes(rgb: np.ndarray) -> bytes:
     """An 8-bit RGB PNG (filter 0 on every row, one zlib IDAT)."""
     if not (isinstance(rgb, np.ndarray) and rgb.dtype == np.uint8 and rgb.ndim == 3
             and rgb.shape[2] == 3 and rgb.shape[0] > 0 and rgb.shape[1] > 0):
-        raise ValueError(f"png_bytes: rgb: expected a uint8 array [height, width, 3], got "
-                         f"{getattr(rgb, 'dtype', type(rgb).__name__)} "
-                         f"{getattr(rgb, 'shape', '')}")
+        raise InvalidArgument(f"png_bytes: rgb: expected a uint8 array [height, width, 3], got "
+                              f"{getattr(rgb, 'dtype', type(rgb).__name__)} "
+                              f"{getattr(rgb, 'shape', '')}")
     h, w, _ = rgb.shape
     raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
 
@@ -112,7 +113,7 @@ def loss_curves_png(series, width: int = 640, height: int = 400, title: str = "l
     `series` is a list of (name, [(x, y), ...], (r, g, b)); non-finite y values are skipped."""
     pts = [(x, y) for _, p, _ in series for x, y in p if math.isfinite(y)]
     if not pts:
-        raise ValueError("loss_curves_png: series: expected at least one finite point")
+        raise InvalidArgument("loss_curves_png: series: expected at least one finite point")
     img = np.full((height, width, 3), 255, np.uint8)
     left, right, top, bottom = 56, 16, 28, 30
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]

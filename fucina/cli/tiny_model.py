@@ -24,6 +24,7 @@ import regex
 import fucina as fu
 from fucina.gguf import Metadata
 from fucina.llm.tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED, byte_alphabet
+from ..errors import InvalidArgument
 
 SPECIAL = (("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
            ("<think>", USER_DEFINED), ("</think>", USER_DEFINED))
@@ -97,7 +98,7 @@ def build_tiny_model(path, *, seed: int = 0, dtype: str = "f32", layers: int = 2
     `final_logit_softcapping` written when final_softcap > 0), with the metadata keys llama.cpp
     writes for each. tied=True leaves out output.weight (the head reads token_embd)."""
     if arch not in ARCHS:
-        raise ValueError(f"build_tiny_model: expected arch in {ARCHS}, got {arch!r}")
+        raise InvalidArgument(f"build_tiny_model: expected arch in {ARCHS}, got {arch!r}")
     path = os.fspath(path)
     tokens, merges = train_bpe(CORPUS, vocab_size)
     n_plain = len(tokens)

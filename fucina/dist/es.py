@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass
 
 from .. import es as _es
-from ..errors import InvalidConfig, ReplicaOutOfSync, RewardCountMismatch, WorkersLost
+from ..errors import (InvalidArgumentType, InvalidConfig, ReplicaOutOfSync, RewardCountMismatch,
+                      WorkersLost)
 from .ray import Actors
 
 __all__ = ["EsCluster", "Replica", "RESNAPSHOT_AFTER"]
@@ -88,8 +89,8 @@ class _EsActor:
     def __init__(self, build):
         self.replica = build()
         if not isinstance(self.replica, Replica):
-            raise TypeError(f"fucina.dist.EsCluster: the replica builder must return a "
-                            f"fucina.dist.Replica, got {type(self.replica).__name__}")
+            raise InvalidArgumentType(f"fucina.dist.EsCluster: the replica builder must return a "
+                                      f"fucina.dist.Replica, got {type(self.replica).__name__}")
 
     def _in_sync(self, seed: int, iteration: int, where: str) -> None:
         tr = self.replica.trainer
@@ -147,7 +148,8 @@ class EsCluster(Actors):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise InvalidConfig(f"{where}: {name}: expected an int >= 1, got {v!r}")
         if not isinstance(trainer, _es.Trainer):
-            raise TypeError(f"{where}: expected an es.Trainer, got {type(trainer).__name__}")
+            raise InvalidArgumentType(f"{where}: expected an es.Trainer, got "
+                                      f"{type(trainer).__name__}")
         super().__init__(_EsActor, (build_replica,), actors, ray, cpus_per_actor)
         self.trainer, self.registry, self.adapters = trainer, registry, adapters
         self.block = block

@@ -34,7 +34,7 @@ from ..codegen import gemm as g
 from ..codegen import kernels
 from ..codegen.irutil import ITEMSIZE
 from ..codegen.target import host
-from ..errors import DTypeError, InvalidArgument, ShapeMismatch
+from ..errors import DTypeError, InvalidArgument, InvalidArgumentType, ShapeMismatch
 from .raw import RawTensor, numel
 
 MC_ROWS = 64             # at most this many rows of A per tile, whole MR panels (MC x KC of A
@@ -107,8 +107,8 @@ class Plan:
 
 def _check(op, a, b, out):
     if not isinstance(a, RawTensor) or not isinstance(b, RawTensor):
-        raise TypeError(f"{op}: expected RawTensor operands, got {type(a).__name__} and "
-                        f"{type(b).__name__}")
+        raise InvalidArgumentType(f"{op}: expected RawTensor operands, got {type(a).__name__} and "
+                                  f"{type(b).__name__}")
     if a.dtype != "f32":
         raise DTypeError(f"{op}: operand a: expected dtype f32, got {a.dtype}")
     if b.dtype not in ("f32", "f16", "bf16"):
@@ -125,7 +125,8 @@ def _check(op, a, b, out):
     shape = a.shape[:-1] + b.shape[-1:]
     if out is not None:
         if not isinstance(out, RawTensor):
-            raise TypeError(f"{op}: operand out: expected a RawTensor, got {type(out).__name__}")
+            raise InvalidArgumentType(f"{op}: operand out: expected a RawTensor, got "
+                                      f"{type(out).__name__}")
         if out.dtype != "f32":
             raise DTypeError(f"{op}: operand out: expected dtype f32, got {out.dtype}")
         if out.shape != shape:
@@ -134,7 +135,7 @@ def _check(op, a, b, out):
             raise ShapeMismatch(f"{op}: operand out: expected a contiguous tensor, got strides "
                                 f"{out.strides} for shape {out.shape}")
         if out.buf is a.buf or out.buf is b.buf:
-            raise ValueError(f"{op}: operand out: expected a buffer distinct from a's and b's")
+            raise InvalidArgument(f"{op}: operand out: expected a buffer distinct from a's and b's")
     return shape
 
 
@@ -163,8 +164,8 @@ def gemm(ctx, a: RawTensor, b: RawTensor, out: RawTensor | None = None,
     if out is None:
         out = ctx.empty(plan.shape)
     elif out.buf is a.buf or out.buf is b.buf:
-        raise ValueError(f"{'add_dot' if accumulate else 'matmul'}: operand out: expected a "
-                         f"buffer distinct from a's and b's")
+        raise InvalidArgument(f"{'add_dot' if accumulate else 'matmul'}: operand out: expected a "
+                              f"buffer distinct from a's and b's")
     if plan.direct is not None:        # one launch, no scratch: the common small case
         addr, n, cost, tail = plan.direct
         ctx.launch(addr, n, cost, a.addr, b.addr, out.addr, *tail)
@@ -201,7 +202,7 @@ def rank_args(out, rank_add) -> tuple:
     if x.dtype != "f32" or y.dtype != "f32" or x.strides[1] != 1 or y.strides[1] != 1:
         raise InvalidArgument("matmul: rank_add: expected f32 x and y with unit column strides")
     if out.buf is x.buf or out.buf is y.buf:
-        raise ValueError("matmul: rank_add: expected x and y in buffers distinct from out's")
+        raise InvalidArgument("matmul: rank_add: expected x and y in buffers distinct from out's")
     return (x.addr, y.addr, x.strides[0], y.strides[0], x.shape[1], _f32_bits("matmul", s))
 
 
@@ -225,7 +226,7 @@ def _gemm_empty(ctx, a, b, out, accumulate):
     op = "add_dot" if accumulate else "matmul"
     shape = _check(op, a, b, out)
     if accumulate and out is None:
-        raise ValueError(f"{op}: accumulate=True needs out= (the tensor to add to)")
+        raise InvalidArgument(f"{op}: accumulate=True needs out= (the tensor to add to)")
     if ctx.closed:
         ctx.check_open(op)
     if out is None:
@@ -239,7 +240,7 @@ def _new_plan(a, b, out, accumulate, scale, ranked=False) -> "Plan":
     op = "add_dot" if accumulate else "matmul"
     shape = _check(op, a, b, out)
     if accumulate and out is None:
-        raise ValueError(f"{op}: accumulate=True needs out= (the tensor to add to)")
+        raise InvalidArgument(f"{op}: accumulate=True needs out= (the tensor to add to)")
     _f32_bits(op, scale)
     plan = _make_plan(a, b, shape, accumulate, scale, ranked)
     _plans[(a.lay, b.lay, None if out is None else out.lay, accumulate, scale, ranked)] = plan

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..codegen import gemm_bf16 as g
 from ..codegen import kernels
-from ..errors import DTypeError, InvalidArgument, ShapeMismatch
+from ..errors import DTypeError, InvalidArgument, InvalidArgumentType, ShapeMismatch
 from . import elementwise as ew
 from . import matmul as mm
 from .matmul import PF_C_MIN, blocks, pack_groups
@@ -41,8 +41,8 @@ class Plan:
 def _check(a, b):
     op = "matmul_bf16"
     if not isinstance(a, RawTensor) or not isinstance(b, RawTensor):
-        raise TypeError(f"{op}: expected RawTensor operands, got {type(a).__name__} and "
-                        f"{type(b).__name__}")
+        raise InvalidArgumentType(f"{op}: expected RawTensor operands, got {type(a).__name__} and "
+                                  f"{type(b).__name__}")
     if a.dtype != "f32":
         raise DTypeError(f"{op}: operand a: expected dtype f32, got {a.dtype}")
     if b.dtype not in ("f32", "bf16"):
@@ -130,7 +130,7 @@ def _check_out(a, b, out, shape):
                             f"{shape}, got {getattr(out, 'dtype', type(out).__name__)} "
                             f"{getattr(out, 'shape', '')}")
     if out.buf is a.buf or out.buf is b.buf:
-        raise ValueError(f"{op}: operand out: expected a buffer distinct from a's and b's")
+        raise InvalidArgument(f"{op}: operand out: expected a buffer distinct from a's and b's")
 
 
 def _mode(rows, K, s_w, s_k):

@@ -14,7 +14,8 @@ import numpy as np
 
 from ..codegen import kernels
 from ..codegen.selection import MoeKey
-from ..errors import DTypeError, IndexOutOfBounds, InvalidDataLength, InvalidShape, ShapeMismatch
+from ..errors import (DTypeError, IndexOutOfBounds, InvalidArgumentType, InvalidDataLength,
+                      InvalidShape, ShapeMismatch)
 from .raw import RawTensor
 
 GATE_WORK = 1 << 15      # gate/up weight elements (of each) per work item: FB = GATE_WORK // H rows
@@ -48,10 +49,12 @@ def routes(op: str, selected, weights, pairs: int, experts: int):
     """(selected i64, weights f32) as numpy arrays of `pairs` entries, experts in range."""
     sel = np.asarray(selected)
     if sel.ndim != 1 or (sel.size and sel.dtype.kind not in "iu"):
-        raise TypeError(f"{op}: selected: expected a flat sequence of expert indices, got {selected!r}")
+        raise InvalidArgumentType(f"{op}: selected: expected a flat sequence of expert indices, "
+                                  f"got {selected!r}")
     w = np.asarray(weights, dtype=np.float32)
     if w.ndim != 1:
-        raise TypeError(f"{op}: weights: expected a flat sequence of floats, got shape {w.shape}")
+        raise InvalidArgumentType(f"{op}: weights: expected a flat sequence of floats, got shape "
+                                  f"{w.shape}")
     if pairs == 0 or sel.size != pairs or w.size != pairs:
         raise InvalidDataLength(f"{op}: expected {pairs} selected experts and {pairs} weights "
                                 f"(tokens * top_k, >= 1), got {sel.size} and {w.size}")

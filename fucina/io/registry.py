@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..ag.tensor import Tensor
-from ..errors import CheckpointDuplicateName, CheckpointInvalidName, IndexOutOfBounds
+from ..errors import (CheckpointDuplicateName, CheckpointInvalidName, IndexOutOfBounds,
+                      InvalidArgumentType)
 from ..exec.context import Context
 from . import state_dict as sd
 from .safetensors import check_name
@@ -153,9 +154,9 @@ class ParamRegistry:
         if add is None:
             plain = getattr(opt, "add_param", None)
             if plain is None:
-                raise TypeError(f"ParamRegistry.add_params_to: expected an optimizer with "
-                                f"add_param_named(t, name) or add_param(t, name=...), got "
-                                f"{type(opt).__name__}")
+                raise InvalidArgumentType("ParamRegistry.add_params_to: expected an optimizer "
+                                          "with add_param_named(t, name) or add_param(t, "
+                                          f"name=...), got {type(opt).__name__}")
 
             def add(t, name):
                 plain(t, name=name)

@@ -18,7 +18,8 @@ import numpy as np
 
 from . import safetensors as st
 from ..errors import (CheckpointDtypeMismatch, CheckpointDuplicateName, CheckpointMissingEntry,
-                     CheckpointShapeMismatch, CheckpointUnknownName, CheckpointUnsupportedDtype)
+                      CheckpointShapeMismatch, CheckpointUnknownName, CheckpointUnsupportedDtype,
+                      InvalidArgumentType)
 from .stream import (byte_view, label, readinto_exact, reading, skip_exact, storage, write_all,
                      write_to)
 
@@ -56,8 +57,8 @@ def _pairs(entries, where: str) -> list:
     out = []
     for e in entries:
         if not isinstance(e, NamedTensor):
-            raise TypeError(f"{where}: expected a mapping name -> Tensor or NamedTensor entries, "
-                            f"got {type(e).__name__}")
+            raise InvalidArgumentType(f"{where}: expected a mapping name -> Tensor or NamedTensor "
+                                      f"entries, got {type(e).__name__}")
         out.append((e.name, e.tensor))
     return out
 
@@ -100,7 +101,7 @@ def _alias_map(aliases, where: str) -> dict:
         elif isinstance(rule, tuple) and len(rule) == 2:
             old, new = rule
         else:
-            raise TypeError(f"{where}: expected Alias(old, new) rules, got {rule!r}")
+            raise InvalidArgumentType(f"{where}: expected Alias(old, new) rules, got {rule!r}")
         out.setdefault(old, new)  # the first matching rule wins
     return out
 

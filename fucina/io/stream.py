@@ -13,7 +13,7 @@ import numpy as np
 
 from ..ag.tensor import Tensor
 from ..exec.dtypes import ITEMSIZE, NUMPY
-from ..errors import DTypeError, InvalidDataLength, NonContiguousParam
+from ..errors import DTypeError, InvalidArgumentType, InvalidDataLength, NonContiguousParam
 from .checkpoint import write_file_atomic
 
 CHUNK = 1 << 20  # bytes per read when the total comes from the file itself
@@ -75,7 +75,8 @@ def storage(t, dtypes: tuple, where: str, what: str) -> np.ndarray:
     how loads fill variables: parameters are updated outside the graph, like an optimizer step.
     """
     if not isinstance(t, Tensor):
-        raise TypeError(f"{where}: {what}: expected a fucina Tensor, got {type(t).__name__}")
+        raise InvalidArgumentType(f"{where}: {what}: expected a fucina Tensor, got "
+                                  f"{type(t).__name__}")
     raw = t._live(where)
     if raw.dtype not in dtypes:
         raise DTypeError(f"{where}: {what}: expected dtype in {dtypes}, got {raw.dtype}")

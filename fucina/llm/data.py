@@ -20,7 +20,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from ..errors import ChatTemplateError, EmptyDataset, InvalidLoaderState, MalformedJsonl, SampleTooLong
+from ..errors import (ChatTemplateError, EmptyDataset, InvalidArgument, InvalidArgumentType,
+                      InvalidLoaderState, MalformedJsonl, SampleTooLong)
 from ..rng import MASK64, at, splitmix64
 from .template import ChatTemplate, Template
 
@@ -41,8 +42,8 @@ class Pair:
     def __post_init__(self):
         for name in ("instruction", "response"):
             if not isinstance(getattr(self, name), str):
-                raise TypeError(f"Pair: {name}: expected a str, got "
-                                f"{type(getattr(self, name)).__name__}")
+                raise InvalidArgumentType(f"Pair: {name}: expected a str, got "
+                                          f"{type(getattr(self, name)).__name__}")
 
 
 @dataclass(frozen=True)
@@ -56,20 +57,21 @@ class Conversation:
         where = "Conversation"
         if isinstance(self.messages, (str, bytes, dict)) or not isinstance(self.messages,
                                                                             (list, tuple)):
-            raise TypeError(f"{where}: messages: expected a list of dicts, got "
-                            f"{type(self.messages).__name__}")
+            raise InvalidArgumentType(f"{where}: messages: expected a list of dicts, got "
+                                      f"{type(self.messages).__name__}")
         checked = []
         for k, m in enumerate(self.messages):
             if not isinstance(m, dict):
-                raise TypeError(f"{where}: messages[{k}]: expected a dict, got {type(m).__name__}")
+                raise InvalidArgumentType(f"{where}: messages[{k}]: expected a dict, got "
+                                          f"{type(m).__name__}")
             for key in ("role", "content"):
                 if not isinstance(m.get(key), str):
-                    raise TypeError(f"{where}: messages[{k}][{key!r}]: expected a str, got "
-                                    f"{type(m.get(key)).__name__}")
+                    raise InvalidArgumentType(f"{where}: messages[{k}][{key!r}]: expected a str, "
+                                              f"got {type(m.get(key)).__name__}")
             checked.append(dict(m))
         if not any(m["role"] == "assistant" for m in checked):
-            raise ValueError(f"{where}: messages: expected at least one assistant turn to "
-                             f"supervise, got roles {[m['role'] for m in checked]}")
+            raise InvalidArgument(f"{where}: messages: expected at least one assistant turn to "
+                                  f"supervise, got roles {[m['role'] for m in checked]}")
         object.__setattr__(self, "messages", tuple(checked))
 
     @property
@@ -100,14 +102,14 @@ class SftText:
     def from_pairs(cls, pairs) -> "SftText":
         """Use the caller's pairs as they are (no copy when given a list of Pair)."""
         if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
-            raise TypeError(f"SftText.from_pairs: pairs: expected a sequence of Pair, got "
-                            f"{type(pairs).__name__}")
+            raise InvalidArgumentType("SftText.from_pairs: pairs: expected a sequence of Pair, "
+                                      f"got {type(pairs).__name__}")
         if not isinstance(pairs, list):
             pairs = list(pairs)
         for k, p in enumerate(pairs):
             if not isinstance(p, Pair):
-                raise TypeError(f"SftText.from_pairs: pairs[{k}]: expected a Pair, got "
-                                f"{type(p).__name__}")
+                raise InvalidArgumentType(f"SftText.from_pairs: pairs[{k}]: expected a Pair, got "
+                                          f"{type(p).__name__}")
         return cls(pairs)
 
     @classmethod
@@ -216,14 +218,17 @@ def encode_pair(tok, template: Template, pair: Pair, opts: EncodeOptions | None 
     opts = EncodeOptions() if opts is None else opts
     if isinstance(template, ChatTemplate):   # the file's own template: see encode_chat
         if not isinstance(pair, Pair):
-            raise TypeError(f"encode_pair: pair: expected a Pair, got {type(pair).__name__}")
+            raise InvalidArgumentType("encode_pair: pair: expected a Pair, got "
+                                      f"{type(pair).__name__}")
         return encode_chat(tok, template, pair, opts)
     if not isinstance(pair, Pair):
-        raise TypeError(f"encode_pair: pair: expected a Pair, got {type(pair).__name__}")
+        raise InvalidArgumentType(f"encode_pair: pair: expected a Pair, got {type(pair).__name__}")
     if not isinstance(opts.seq_max, int) or isinstance(opts.seq_max, bool):
-        raise TypeError(f"encode_pair: opts.seq_max: expected an int, got {opts.seq_max!r}")
+        raise InvalidArgumentType("encode_pair: opts.seq_max: expected an int, got "
+                                  f"{opts.seq_max!r}")
     if opts.seq_max < 0:
-        raise ValueError(f"encode_pair: opts.seq_max: expected an int >= 0, got {opts.seq_max}")
+        raise InvalidArgument("encode_pair: opts.seq_max: expected an int >= 0, got "
+                              f"{opts.seq_max}")
     prompt = encode_prompt(tok, template, pair.instruction, opts)
     response = tok.encode_raw(pair.response + template.stop_marker())
     total = min(len(prompt) + len(response), opts.seq_max + 1)
@@ -246,8 +251,8 @@ def chat_messages(example, system: str | None = None) -> list:
         head = [] if system is None else [{"role": "system", "content": system}]
         return head + [{"role": "user", "content": example.instruction},
                        {"role": "assistant", "content": example.response}]
-    raise TypeError(f"chat_messages: example: expected a Pair or a Conversation, got "
-                    f"{type(example).__name__}")
+    raise InvalidArgumentType(f"chat_messages: example: expected a Pair or a Conversation, got "
+                              f"{type(example).__name__}")
 
 
 def _variables(template: ChatTemplate, opts: EncodeOptions) -> dict:
@@ -331,10 +336,10 @@ def encode_chat(tok, template: ChatTemplate, example, opts: EncodeOptions | None
     opts = EncodeOptions() if opts is None else opts
     where = "encode_chat"
     if not isinstance(template, ChatTemplate):
-        raise TypeError(f"{where}: template: expected a ChatTemplate, got "
-                        f"{type(template).__name__}")
+        raise InvalidArgumentType(f"{where}: template: expected a ChatTemplate, got "
+                                  f"{type(template).__name__}")
     if not isinstance(opts.seq_max, int) or isinstance(opts.seq_max, bool) or opts.seq_max < 0:
-        raise ValueError(f"{where}: opts.seq_max: expected an int >= 0, got {opts.seq_max!r}")
+        raise InvalidArgument(f"{where}: opts.seq_max: expected an int >= 0, got {opts.seq_max!r}")
     messages = chat_messages(example, opts.system)
     text, spans = _assistant_spans(template, messages, _variables(template, opts), where)
     seq, supervised, pos = [], [], 0
@@ -380,13 +385,13 @@ class Loader:
 
     def __init__(self, n: int, order: str = "sequential", seed: int = 0):
         if not isinstance(n, int) or isinstance(n, bool):
-            raise TypeError(f"Loader: n: expected an int, got {n!r}")
+            raise InvalidArgumentType(f"Loader: n: expected an int, got {n!r}")
         if n <= 0:
             raise EmptyDataset(f"Loader: expected at least one sample, got n = {n}")
         if order not in self.ORDERS:
-            raise ValueError(f"Loader: order: expected one of {self.ORDERS}, got {order!r}")
+            raise InvalidArgument(f"Loader: order: expected one of {self.ORDERS}, got {order!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"Loader: seed: expected an int, got {type(seed).__name__}")
+            raise InvalidArgumentType(f"Loader: seed: expected an int, got {type(seed).__name__}")
         self.n, self.order = n, order
         self.seed, self.epoch, self.index = seed & MASK64, 0, 0
         self.perm = self._permutation()

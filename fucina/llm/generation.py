@@ -40,8 +40,8 @@ import numpy as np
 from .. import gguf
 from ..ag.engine import no_grad
 from ..ag.tensor import Tensor
-from ..errors import (AdaptersMismatch, ContextOverflow, FucinaError, InvalidArgumentType,
-                      InvalidSequenceLength)
+from ..errors import (AdaptersMismatch, ContextOverflow, FucinaError, InvalidArgument,
+                      InvalidArgumentType, InvalidSequenceLength)
 from ..exec import elementwise as ew
 from ..exec import plan
 from ..lora import LoraConfig
@@ -65,7 +65,7 @@ class KVCache:
     def __init__(self, model: Model, length: int, dtype: str = "f32"):
         c = model.config
         if dtype not in KV_DTYPES:
-            raise TypeError(f"KVCache: expected kv dtype in {KV_DTYPES}, got {dtype!r}")
+            raise InvalidArgumentType(f"KVCache: expected kv dtype in {KV_DTYPES}, got {dtype!r}")
         self.length, self.dtype, self.pos = int(length), dtype, 0
         shape = (self.length, c.kv_heads, c.head_dim)
         tags = ("seq", "kv_head", "d")
@@ -204,8 +204,8 @@ class LM:
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(i) for i in check_tokens("LM.generate", prompt, self.model.config.vocab)]
         else:
-            raise TypeError(f"LM.generate: expected the prompt as a str or a list of token ids, "
-                            f"got {type(prompt).__name__}")
+            raise InvalidArgumentType("LM.generate: expected the prompt as a str or a list of "
+                                      f"token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidSequenceLength("LM.generate: expected a non-empty prompt, got none")
         return ids
@@ -223,12 +223,12 @@ class LM:
         ids, used as is) or `messages` (rendered with the template; its end-of-turn marker then
         stops the reply too). `result`, a list, receives the finished Generation."""
         if (prompt is None) == (messages is None):
-            raise TypeError("LM.stream: expected exactly one of prompt= or messages=")
+            raise InvalidArgumentType("LM.stream: expected exactly one of prompt= or messages=")
         settings = Settings(temperature, top_k, top_p, min_p, repetition_penalty)
         if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
-            raise ValueError(f"LM.generate: max_new: expected an int >= 0, got {max_new!r}")
+            raise InvalidArgument(f"LM.generate: max_new: expected an int >= 0, got {max_new!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise TypeError(f"LM.generate: seed: expected an int, got {seed!r}")
+            raise InvalidArgumentType(f"LM.generate: seed: expected an int, got {seed!r}")
         stops = _stop_strings(stop)
         if messages is not None:
             ids = self.encode(self.render(messages))
@@ -382,7 +382,8 @@ def _stop_strings(stop) -> tuple:
     items = tuple(stop)
     for s in items:
         if not isinstance(s, str):
-            raise TypeError(f"LM.generate: stop: expected a str or a list of str, got {s!r}")
+            raise InvalidArgumentType("LM.generate: stop: expected a str or a list of str, got "
+                                      f"{s!r}")
     return tuple(s for s in items if s)
 
 

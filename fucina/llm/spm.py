@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-from ..errors import UnsupportedTokenizer
+from ..errors import InvalidArgumentType, UnsupportedTokenizer
 from .tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, Vocabulary,
                         literal_matcher, merge_pairs)
 
@@ -126,8 +126,9 @@ class SpmTokenizer(Vocabulary):
         padding_token_id, add_bos_token, add_eos_token}` and `general.architecture`."""
         meta = gguf_file if isinstance(gguf_file, Mapping) else getattr(gguf_file, "metadata", None)
         if not isinstance(meta, Mapping):
-            raise TypeError(f"SpmTokenizer.from_gguf: expected a GGUF file (fu.gguf.read) or its "
-                            f"metadata mapping, got {type(gguf_file).__name__}")
+            raise InvalidArgumentType("SpmTokenizer.from_gguf: expected a GGUF file "
+                                      "(fu.gguf.read) or its "
+                                      f"metadata mapping, got {type(gguf_file).__name__}")
         where = "SpmTokenizer.from_gguf"
         model = meta.get("tokenizer.ggml.model")
         if model != "llama":
@@ -191,7 +192,8 @@ class SpmTokenizer(Vocabulary):
         """Token ids of `text`; special tokens in the text are matched whole; nothing is added
         (no BOS/EOS: see `encode`, and the chat template writes its own)."""
         if not isinstance(text, str):
-            raise TypeError(f"Tokenizer.encode_raw: text: expected a str, got {type(text).__name__}")
+            raise InvalidArgumentType("Tokenizer.encode_raw: text: expected a str, got "
+                                      f"{type(text).__name__}")
         out: list[int] = []
         if self._special_re is None:
             if text:

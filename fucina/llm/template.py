@@ -55,7 +55,7 @@ import jinja2.sandbox
 import jinja2.meta
 import jinja2.utils
 
-from ..errors import ChatTemplateError
+from ..errors import ChatTemplateError, InvalidArgument, InvalidArgumentType
 
 __all__ = ["Template", "detect", "ChatTemplate"]
 
@@ -77,9 +77,10 @@ class Template(enum.Enum):
         """The text of one user turn followed by the opener of the assistant's reply."""
         where = f"Template.{self.name}.render_turn"
         if system is not None and not isinstance(system, str):
-            raise TypeError(f"{where}: system: expected a str or None, got {type(system).__name__}")
+            raise InvalidArgumentType(f"{where}: system: expected a str or None, got "
+                                      f"{type(system).__name__}")
         if not isinstance(user, str):
-            raise TypeError(f"{where}: user: expected a str, got {type(user).__name__}")
+            raise InvalidArgumentType(f"{where}: user: expected a str, got {type(user).__name__}")
         return _RENDER[self](system, user, bool(first), bool(think_off))
 
 
@@ -139,8 +140,8 @@ def detect(chat_template: str | None) -> Template | None:
     if chat_template is None:
         return None
     if not isinstance(chat_template, str):
-        raise TypeError(f"template.detect: chat_template: expected a str or None, got "
-                        f"{type(chat_template).__name__}")
+        raise InvalidArgumentType(f"template.detect: chat_template: expected a str or None, got "
+                                  f"{type(chat_template).__name__}")
     for marker, template in _MARKERS:
         if marker in chat_template:
             return template
@@ -297,21 +298,22 @@ class ChatTemplate:
                  special_tokens: Mapping | None = None, defaults: Mapping | None = None):
         where = "ChatTemplate"
         if source is not None and not isinstance(source, str):
-            raise TypeError(f"{where}: source: expected a Jinja str or None, got "
-                            f"{type(source).__name__}")
+            raise InvalidArgumentType(f"{where}: source: expected a Jinja str or None, got "
+                                      f"{type(source).__name__}")
         if source is None and builtin is None:
             builtin = Template.CHATML
         if builtin is not None and not isinstance(builtin, Template):
-            raise TypeError(f"{where}: builtin: expected a Template, got {type(builtin).__name__}")
+            raise InvalidArgumentType(f"{where}: builtin: expected a Template, got "
+                                      f"{type(builtin).__name__}")
         if source is not None and builtin is not None:
-            raise ValueError(f"{where}: give a Jinja source or a built-in Template, not both")
+            raise InvalidArgument(f"{where}: give a Jinja source or a built-in Template, not both")
         self.source = source
         self.builtin = builtin
         self.special_tokens = {k: v for k, v in dict(special_tokens or {}).items() if v is not None}
         for k, v in self.special_tokens.items():
             if not isinstance(v, str):
-                raise TypeError(f"{where}: special_tokens[{k!r}]: expected a str, got "
-                                f"{type(v).__name__}")
+                raise InvalidArgumentType(f"{where}: special_tokens[{k!r}]: expected a str, got "
+                                          f"{type(v).__name__}")
         self.defaults = dict(defaults or {})
         self._compiled, self._names = None, frozenset()
         if source is not None:
@@ -332,8 +334,10 @@ class ChatTemplate:
         meta = (gguf_file_or_metadata if isinstance(gguf_file_or_metadata, Mapping)
                 else getattr(gguf_file_or_metadata, "metadata", None))
         if not isinstance(meta, Mapping):
-            raise TypeError(f"ChatTemplate.from_gguf: expected a GGUF file (fu.gguf.read) or "
-                            f"its metadata mapping, got {type(gguf_file_or_metadata).__name__}")
+            raise InvalidArgumentType("ChatTemplate.from_gguf: expected a GGUF file "
+                                      "(fu.gguf.read) or "
+                                      "its metadata mapping, got "
+                                      f"{type(gguf_file_or_metadata).__name__}")
         source = meta.get("tokenizer.chat_template")
         if source is not None and not isinstance(source, str):
             raise ChatTemplateError(f"ChatTemplate.from_gguf: tokenizer.chat_template: expected "

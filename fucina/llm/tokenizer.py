@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 import regex
 
-from ..errors import IndexOutOfBounds, UnsupportedTokenizer
+from ..errors import IndexOutOfBounds, InvalidArgumentType, UnsupportedTokenizer
 
 __all__ = ["Tokenizer", "Vocabulary", "UnsupportedTokenizer", "PRE_TOKENIZERS", "NORMAL", "UNKNOWN", "CONTROL",
            "USER_DEFINED", "UNUSED", "BYTE"]
@@ -193,8 +193,8 @@ class Vocabulary:
         try:
             token_id = operator.index(token_id)
         except TypeError:
-            raise TypeError(f"Tokenizer.{op}: ids[{pos}]: expected an int, got "
-                            f"{type(token_id).__name__}") from None
+            raise InvalidArgumentType(f"Tokenizer.{op}: ids[{pos}]: expected an int, got "
+                                      f"{type(token_id).__name__}") from None
         if not 0 <= token_id < len(self._tokens):
             raise IndexOutOfBounds(f"Tokenizer.{op}: ids[{pos}]: expected an id in "
                                    f"[0, {len(self._tokens)}), got {token_id}")
@@ -285,8 +285,8 @@ class Tokenizer(Vocabulary):
         Llama-2, Mistral) gives a `fucina.llm.spm.SpmTokenizer` with the same surface."""
         meta = gguf_file if isinstance(gguf_file, Mapping) else getattr(gguf_file, "metadata", None)
         if not isinstance(meta, Mapping):
-            raise TypeError(f"Tokenizer.from_gguf: expected a GGUF file (fu.gguf.read) or its "
-                            f"metadata mapping, got {type(gguf_file).__name__}")
+            raise InvalidArgumentType("Tokenizer.from_gguf: expected a GGUF file (fu.gguf.read) "
+                                      f"or its metadata mapping, got {type(gguf_file).__name__}")
         where = "Tokenizer.from_gguf"
         model = meta.get("tokenizer.ggml.model")
         if model == "llama" and cls is Tokenizer:
@@ -333,7 +333,8 @@ class Tokenizer(Vocabulary):
         """Token ids of `text`; special tokens in the text are matched whole; nothing is added
         (no BOS/EOS: the chat template decides every structural token)."""
         if not isinstance(text, str):
-            raise TypeError(f"Tokenizer.encode_raw: text: expected a str, got {type(text).__name__}")
+            raise InvalidArgumentType("Tokenizer.encode_raw: text: expected a str, got "
+                                      f"{type(text).__name__}")
         out: list[int] = []
         if self._special_re is None:
             self._encode_plain(text, out)

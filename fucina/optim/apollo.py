@@ -40,7 +40,7 @@ from ..codegen.optim_lowrank import ApolloApplyKey, HfAdamwKey
 from ..exec import optim as xo
 from ..exec import optim_lowrank as xl
 from ..exec.matmul import gemm
-from ..errors import InvalidOptimizerConfig
+from ..errors import InvalidArgument, InvalidOptimizerConfig
 from . import frames, validate
 from .base import Optimizer, StateBuf, WithFallback, slots_version
 from .frames import V3, V5, Magics, StateDType, f32
@@ -189,8 +189,8 @@ class Apollo(WithFallback):
         ctx, st = slot.ctx, slot.state
         rows, cols = slot.rows, slot.cols
         if c.rank != slot.cache["rank"]:
-            raise ValueError(f"Apollo.step: rank changed from {slot.cache['rank']} (at "
-                             f"registration) to {c.rank}; expected a fixed rank")
+            raise InvalidArgument(f"Apollo.step: rank changed from {slot.cache['rank']} (at "
+                                  f"registration) to {c.rank}; expected a fixed rank")
         tall = rows >= cols
         g = grad.view((rows, cols), (cols, 1))
         proj = self._projection(slot, st["step"] // c.update_proj_gap)

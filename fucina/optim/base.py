@@ -23,7 +23,8 @@ import numpy as np
 from ..ag.engine import Leaf
 from ..ag.tensor import Tensor
 from ..errors import (CheckpointConfigMismatch, ContextClosed, DTypeError, DuplicateParam,
-                      GradShapeMismatch, NonContiguousParam, NotAVariable, UseAfterRelease)
+                      GradShapeMismatch, InvalidArgumentType, NonContiguousParam, NotAVariable,
+                      ParamNotRegistered, UseAfterRelease)
 from ..exec import elementwise as ew
 from ..exec import optim as xo
 from ..exec.raw import RawTensor, contiguous_layout
@@ -138,11 +139,11 @@ class Optimizer(abc.ABC):
         if config is None:
             config = self.Config(**options)  # an unknown keyword is a TypeError
         elif options:
-            raise TypeError(f"{type(self).__name__}: pass a config or keyword options, not both "
-                            f"(got {sorted(options)})")
+            raise InvalidArgumentType(f"{type(self).__name__}: pass a config or keyword options, "
+                                      f"not both (got {sorted(options)})")
         elif not isinstance(config, self.Config):
-            raise TypeError(f"{type(self).__name__}: expected a {self.Config.__name__}, "
-                            f"got {type(config).__name__}")
+            raise InvalidArgumentType(f"{type(self).__name__}: expected a {self.Config.__name__}, "
+                                      f"got {type(config).__name__}")
         self.config = config
         self._check_config()
         self.slots: list[Slot] = []
@@ -191,9 +192,9 @@ class Optimizer(abc.ABC):
         build its slot (master included)."""
         where = f"{type(self).__name__}.{op}"
         if not isinstance(t, Tensor):
-            raise TypeError(f"{where}: expected a fucina Tensor, got {type(t).__name__}")
+            raise InvalidArgumentType(f"{where}: expected a fucina Tensor, got {type(t).__name__}")
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"{where}: expected a str name, got {type(name).__name__}")
+            raise InvalidArgumentType(f"{where}: expected a str name, got {type(name).__name__}")
         raw = t._live(where)
         leaf = t._node
         if not isinstance(leaf, Leaf):
@@ -329,7 +330,8 @@ class Optimizer(abc.ABC):
                 if s.master is not None:
                     out["master"] = s.master.to_numpy()
                 return out
-        raise KeyError(f"{type(self).__name__}.state_of: the tensor is not registered here")
+        raise ParamNotRegistered(f"{type(self).__name__}.state_of: the tensor is not registered "
+                                 "here")
 
     # ---- checkpoint frames (T-17) ----
     def save_state(self, f, checksum: bool = True) -> None:

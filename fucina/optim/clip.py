@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..ag.tensor import Tensor
-from ..errors import DTypeError
+from ..errors import DTypeError, InvalidArgumentType
 from ..exec import elementwise as ew
 from ..exec import optim as xo
 from .frames import f32
@@ -18,7 +18,7 @@ from .frames import f32
 def sum_squares(t: Tensor) -> float:
     """Σ x² of an f32/f16/bf16 tensor as a Python float (f64), in the T-7 order."""
     if not isinstance(t, Tensor):
-        raise TypeError(f"sum_squares: expected a fucina Tensor, got {type(t).__name__}")
+        raise InvalidArgumentType(f"sum_squares: expected a fucina Tensor, got {type(t).__name__}")
     raw = t._live("sum_squares")
     if raw.dtype not in ("f32", "f16", "bf16"):
         raise DTypeError(f"sum_squares: expected an f32/f16/bf16 tensor, got {raw.dtype}")

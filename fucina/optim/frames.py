@@ -22,10 +22,10 @@ import zlib
 from typing import NamedTuple
 
 from ..exec.elementwise import f32_bits
-from ..errors import (ChecksumMismatch, CheckpointDtypeMismatch, CheckpointDuplicateName,
-                      CheckpointInvalidName, CheckpointMagicMismatch, CheckpointMissingEntry, CheckpointShapeMismatch,
-                      CheckpointUnknownName, CheckpointUnsupportedDtype, FucinaError,
-                      InvalidDataLength)
+from ..errors import (CheckpointDtypeMismatch, CheckpointDuplicateName, CheckpointInvalidName,
+                      CheckpointMagicMismatch, CheckpointMissingEntry, CheckpointShapeMismatch,
+                      CheckpointUnknownName, CheckpointUnsupportedDtype, ChecksumMismatch,
+                      FucinaError, InvalidArgument, InvalidDataLength)
 
 V3, V4, V5 = 3, 4, 5
 MAX_NAME = 0xFFFF
@@ -47,8 +47,8 @@ class StateDType(enum.IntEnum):
             return cls[value]
         if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
             return cls(value)
-        raise ValueError(f"state dtype: expected StateDType.f32 / StateDType.bf16 (or 'f32' / "
-                         f"'bf16'), got {value!r}")
+        raise InvalidArgument(f"state dtype: expected StateDType.f32 / StateDType.bf16 (or 'f32' / "
+                              f"'bf16'), got {value!r}")
 
 
 class Magics(NamedTuple):

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from ..ag.engine import is_grad_enabled
 from ..ag.tensor import Tensor
 from ..codegen.optim_lowrank import MuonApplyKey, MuonMomentumKey
-from ..errors import DTypeError, InvalidOptimizerConfig, InvalidShape, UnsupportedGradient
+from ..errors import (DTypeError, InvalidArgument, InvalidArgumentType, InvalidOptimizerConfig,
+                      InvalidShape, UnsupportedGradient)
 from ..exec import optim_lowrank as xl
 from . import frames, validate
 from .adam import AdamW, AdamWConfig
@@ -74,9 +75,10 @@ def newton_schulz5(u: Tensor, steps: int) -> Tensor:
     a new constant with u's tags. A tall input (rows > cols) iterates on its transpose."""
     op = "newton_schulz5"
     if not isinstance(u, Tensor):
-        raise TypeError(f"{op}: operand u: expected a fucina Tensor, got {type(u).__name__}")
+        raise InvalidArgumentType(f"{op}: operand u: expected a fucina Tensor, got "
+                                  f"{type(u).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 0 <= steps < 1 << 32:
-        raise ValueError(f"{op}: expected an int steps in [0, 2^32), got {steps!r}")
+        raise InvalidArgument(f"{op}: expected an int steps in [0, 2^32), got {steps!r}")
     raw = u._live(op)
     if raw.rank != 2:
         raise InvalidShape(f"{op}: operand u: expected a rank-2 tensor, got shape {raw.shape} "
@@ -96,7 +98,7 @@ def lr_eff(config: MuonConfig, rows: int, cols: int) -> float:
         return f32(lr * f32(math.sqrt(max(1.0, f32(f32(rows) / f32(cols))))))
     if config.scale == "match_rms_adamw":
         return f32(f32(lr * f32(0.2)) * f32(math.sqrt(f32(max(rows, cols)))))
-    raise ValueError(f"Muon: expected scale in {SCALES}, got {config.scale!r}")
+    raise InvalidArgument(f"Muon: expected scale in {SCALES}, got {config.scale!r}")
 
 
 class Muon(WithFallback):
@@ -130,8 +132,8 @@ class Muon(WithFallback):
         validate.non_negative(op, "weight_decay", c.weight_decay)
         validate.flag(op, "nesterov", c.nesterov)
         if not isinstance(c.fallback, AdamWConfig):
-            raise TypeError(f"Muon: expected fallback to be an AdamWConfig, got "
-                            f"{type(c.fallback).__name__}")
+            raise InvalidArgumentType(f"Muon: expected fallback to be an AdamWConfig, got "
+                                      f"{type(c.fallback).__name__}")
 
     def close(self) -> None:
         self.fallback.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..codegen.optim import SgdKey
-from ..errors import InvalidOptimizerConfig
+from ..errors import InvalidArgument, InvalidOptimizerConfig
 from ..exec.elementwise import f32_bits
 from .base import Optimizer, StateBuf
 from . import validate
@@ -72,8 +72,9 @@ class SGD(Optimizer):
         c = self.config
         buf = slot.state["momentum_buffer"]
         if c.momentum != 0 and buf.raw is None:
-            raise ValueError("SGD.step: momentum was 0 when this param was registered, so it has "
-                             "no momentum buffer; expected momentum != 0 from registration on")
+            raise InvalidArgument("SGD.step: momentum was 0 when this param was registered, so it "
+                                  "has no momentum buffer; expected momentum != 0 from "
+                                  "registration on")
         slot.state["step"] += 1
         first = slot.state["step"] == 1
         variant = (c.momentum != 0, c.nesterov, c.weight_decay != 0, first)

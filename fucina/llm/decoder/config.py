@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import MoeUnsupported, UnsupportedModel
+from ...errors import InvalidArgumentType, MoeUnsupported, UnsupportedModel
 
 __all__ = ["Config", "UnsupportedModel", "ARCHITECTURES"]
 
@@ -123,8 +123,8 @@ class Config:
         where = "decoder.Config.from_gguf"
         meta = gguf_file if isinstance(gguf_file, Mapping) else getattr(gguf_file, "metadata", None)
         if not isinstance(meta, Mapping):
-            raise TypeError(f"{where}: expected a GGUF file (fu.gguf.read) or its metadata "
-                            f"mapping, got {type(gguf_file).__name__}")
+            raise InvalidArgumentType(f"{where}: expected a GGUF file (fu.gguf.read) or its "
+                                      f"metadata mapping, got {type(gguf_file).__name__}")
         arch = meta.get("general.architecture")
         if arch in _MOE or (isinstance(arch, str) and f"{arch}.expert_count" in meta):
             raise MoeUnsupported(f"{where}: architecture {arch!r} is a mixture-of-experts model; "

@@ -48,7 +48,8 @@ from ... import gguf
 from ...ag.rope import RopeTable
 from ...ag.engine import needs_graph
 from ...ag.tensor import Tensor
-from ...errors import IndexOutOfBounds, InvalidArgument, InvalidSequenceLength, ShapeMismatch
+from ...errors import (IndexOutOfBounds, InvalidArgument, InvalidArgumentType,
+                       InvalidSequenceLength, ShapeMismatch)
 from ...exec.quant import BLOCKS
 from .config import Config, UnsupportedModel
 
@@ -125,11 +126,12 @@ class Model:
         if isinstance(gguf_file, (str, bytes, os.PathLike)):
             gguf_file = gguf.read(gguf_file, ctx)
         if not isinstance(gguf_file, gguf.GGUFFile):
-            raise TypeError(f"decoder.Model.from_gguf: expected a GGUF file (fu.gguf.read) or a path, "
-                            f"got {type(gguf_file).__name__}")
+            raise InvalidArgumentType("decoder.Model.from_gguf: expected a GGUF file "
+                                      "(fu.gguf.read) or a path, "
+                                      f"got {type(gguf_file).__name__}")
         if not isinstance(widen_frozen, bool):
-            raise TypeError(f"decoder.Model.from_gguf: expected widen_frozen as a bool, got "
-                            f"{widen_frozen!r}")
+            raise InvalidArgumentType("decoder.Model.from_gguf: expected widen_frozen as a bool, "
+                                      f"got {widen_frozen!r}")
         if compute not in COMPUTE:
             raise InvalidArgument(f"decoder.Model.from_gguf: compute: expected one of "
                                   f"{', '.join(COMPUTE)}, got {compute!r}")
@@ -313,7 +315,7 @@ def check_tokens(op: str, tokens, vocab: int) -> np.ndarray:
     if arr.size == 0:
         raise InvalidSequenceLength(f"{op}: expected at least one token, got none")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{op}: expected integer token ids, got {arr.dtype}")
+        raise InvalidArgumentType(f"{op}: expected integer token ids, got {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab:
         bad = lo if lo < 0 else hi

@@ -36,7 +36,7 @@ from ...ag.checkpoint import checkpoint_with_context
 from ...ag.engine import is_grad_enabled, no_grad
 from ...ag.loss import check_loss_scale, host_labels
 from ...ag.tensor import Tensor
-from ...errors import ExecScopeRequired, LabelLengthMismatch
+from ...errors import ExecScopeRequired, InvalidArgument, InvalidArgumentType, LabelLengthMismatch
 from ...exec.matmul import SMALL_M
 from ...exec.quant import GEMV_MAX_ROWS
 from ...lora import Adapter, LoraConfig
@@ -105,11 +105,13 @@ class Targets:
         if isinstance(value, cls):
             return value
         if isinstance(value, str) or not hasattr(value, "__iter__"):
-            raise TypeError(f"decoder.Targets: expected a Targets or target names, got {value!r}")
+            raise InvalidArgumentType("decoder.Targets: expected a Targets or target names, got "
+                                      f"{value!r}")
         names = list(value)
         for n in names:
             if n not in TARGETS:
-                raise ValueError(f"decoder.Targets: unknown target {n!r}; expected names from {TARGETS}")
+                raise InvalidArgument(f"decoder.Targets: unknown target {n!r}; expected names from "
+                                      f"{TARGETS}")
         return cls(**{n: n in names for n in TARGETS})
 
     def names(self) -> tuple:
@@ -163,7 +165,7 @@ def _layer_block(extra: _LayerExtra, x, *ab):
 
 def _u64(op: str, what: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"{op}: expected an int {what}, got {type(v).__name__} {v!r}")
+        raise InvalidArgumentType(f"{op}: expected an int {what}, got {type(v).__name__} {v!r}")
     return int(v) & MASK64
 
 
@@ -177,14 +179,16 @@ class Trainer:
                  checkpoint_layers: bool = False):
         op = "decoder.Trainer"
         if not isinstance(model, Model):
-            raise TypeError(f"{op}: expected a decoder.Model, got {type(model).__name__}")
+            raise InvalidArgumentType(f"{op}: expected a decoder.Model, got {type(model).__name__}")
         if not isinstance(lora_config, LoraConfig):
-            raise TypeError(f"{op}: expected a lora.LoraConfig, got {type(lora_config).__name__}")
+            raise InvalidArgumentType(f"{op}: expected a lora.LoraConfig, got "
+                                      f"{type(lora_config).__name__}")
         if not isinstance(checkpoint_layers, bool):
-            raise TypeError(f"{op}: expected checkpoint_layers as a bool, got {checkpoint_layers!r}")
+            raise InvalidArgumentType(f"{op}: expected checkpoint_layers as a bool, got "
+                                      f"{checkpoint_layers!r}")
         self.targets = Targets.of(targets)
         if not self.targets.names():
-            raise ValueError(f"{op}: expected at least one target, got none of {TARGETS}")
+            raise InvalidArgument(f"{op}: expected at least one target, got none of {TARGETS}")
         self.model, self.lora_config = model, lora_config
         self.seed = _u64(op, "seed", seed)
         self.checkpoint_layers = checkpoint_layers
@@ -210,7 +214,7 @@ class Trainer:
     @replay.setter
     def replay(self, on: bool) -> None:
         if not isinstance(on, bool):
-            raise TypeError(f"decoder.Trainer.replay: expected a bool, got {on!r}")
+            raise InvalidArgumentType(f"decoder.Trainer.replay: expected a bool, got {on!r}")
         self._replays.enabled = on
         if not on:
             self._replays.drop()
@@ -238,7 +242,8 @@ class Trainer:
         tokens = check_tokens(op, tokens, self.model.config.vocab)
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
                                  or step < 0):
-            raise TypeError(f"{op}: expected step as an int >= 0 or None (eval), got {step!r}")
+            raise InvalidArgumentType(f"{op}: expected step as an int >= 0 or None (eval), got "
+                                      f"{step!r}")
         with self.model.ctx.graph_scope():
             logits = self._logits(tokens, step, rows=rows)
         return logits._to_scope()
