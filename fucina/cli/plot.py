@@ -14,6 +14,7 @@ import struct
 import zlib
 
 import numpy as np
+
 from ..errors import InvalidArgument
 
 __all__ = ["png_bytes", "loss_curves_png", "draw_text"]

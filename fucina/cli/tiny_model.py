@@ -22,9 +22,9 @@ import os
 import regex
 
 import fucina as fu
+from fucina.errors import InvalidArgument
 from fucina.gguf import Metadata
 from fucina.llm.tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED, byte_alphabet
-from ..errors import InvalidArgument
 
 SPECIAL = (("<|endoftext|>", CONTROL), ("<|im_start|>", CONTROL), ("<|im_end|>", CONTROL),
            ("<think>", USER_DEFINED), ("</think>", USER_DEFINED))
