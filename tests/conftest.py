@@ -94,3 +94,16 @@ def assert_cold_equals_warm(forget, run):
     for x, y in zip(cold, warm):
         assert_bitwise(x, y)
 
+
+def asm_loops(asm: str) -> list[list[str]]:
+    """Every loop of an assembly listing: the lines from a label to a backward jump to it
+    (nested loops appear once each, the outer ones holding the inner)."""
+    lines = asm.splitlines()
+    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines)
+              if ln.startswith(".LBB") and ln.rstrip().endswith(":")}
+    loops = []
+    for j, ln in enumerate(lines):
+        parts = ln.split()
+        if len(parts) == 2 and parts[0].startswith("j") and labels.get(parts[1], j) < j:
+            loops.append(lines[labels[parts[1]]:j + 1])
+    return loops

@@ -11,7 +11,7 @@ from fucina.codegen import kernels
 from fucina.exec import matmul as mm
 from fucina.exec.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from fucina.exec.matmul import gemm
-from conftest import assert_bitwise, assert_cold_equals_warm
+from conftest import asm_loops, assert_bitwise, assert_cold_equals_warm
 
 SHAPES = [(1, 1, 1), (37, 129, 65), (3, 4096, 17), (2, 300, 50), (1, 1000, 37), (5, 7, 3),
           (64, 64, 64), (256, 1024, 8), (40, 20, 200), (300, 9, 130), (37, 600, 500),
@@ -646,16 +646,7 @@ def test_bad_inputs(ctx):
 def _hot_loop(asm: str) -> list[str]:
     """The innermost loop (label ... backward jump to it) with the most FMAs: among loops, the
     one whose body has the most FMAs and, for equal counts, the shortest body."""
-    lines = asm.splitlines()
-    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines)
-              if ln.startswith(".LBB") and ln.rstrip().endswith(":")}
-    loops = []
-    for j, ln in enumerate(lines):
-        parts = ln.split()
-        if len(parts) == 2 and parts[0].startswith("j") and parts[1] in labels:
-            i = labels[parts[1]]
-            if i < j:
-                loops.append(lines[i:j + 1])
+    loops = asm_loops(asm)
     # innermost: drop loops that contain another loop's label and back-jump
     inner = [b for b in loops if not any(o is not b and len(o) < len(b) and o[0] in b and o[-1] in b
                                          for o in loops)]
@@ -857,14 +848,8 @@ def test_edge_rows_have_their_micro_tiles():
     below it, NR_VECS x UNROLL vector FMAs per row (whatever the vector width)."""
     from fucina.codegen import gemm as g
     from fucina.codegen.jit import assembly
-    asm = assembly(g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL).ir("k")).splitlines()
-    labels = {ln.strip()[:-1]: i for i, ln in enumerate(asm)
-              if ln.startswith(".LBB") and ln.rstrip().endswith(":")}
-    counts = set()
-    for j, ln in enumerate(asm):
-        parts = ln.split()
-        if len(parts) == 2 and parts[0].startswith("j") and labels.get(parts[1], j) < j:
-            counts.add(sum("vfmadd" in x for x in asm[labels[parts[1]]:j + 1]))
+    asm = assembly(g.GemmTileKey(g.mr(), g.NR_VECS, g.UNROLL).ir("k"))
+    counts = {sum("vfmadd" in x for x in body) for body in asm_loops(asm)}
     per_row = g.NR_VECS * g.UNROLL
     assert {r * per_row for r in (g.mr(), *g.EDGE_ROWS) if r <= g.mr()} <= counts
 

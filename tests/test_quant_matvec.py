@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fucina as fu
-from conftest import assert_bitwise
+from conftest import asm_loops, assert_bitwise
 from fucina.codegen.quant import FORMATS
 from fucina.ag import engine
 from fucina.exec import quant as xq
@@ -532,17 +532,8 @@ def test_dot_q8_prefetches_every_line_into_l2(fmt):
     assert "prefetcht1" in asm and "prefetcht0" not in asm and "prefetchnta" not in asm
     if not (quant_q8.whole_pairs() and fmt in quant_q8.WHOLE):
         return
-    lines = asm.splitlines()
-    labels = {ln.strip()[:-1]: i for i, ln in enumerate(lines)
-              if ln.startswith(".LBB") and ln.rstrip().endswith(":")}
-    ratios = set()
-    for j, ln in enumerate(lines):
-        parts = ln.split()
-        if len(parts) == 2 and parts[0].startswith("j") and labels.get(parts[1], j) < j:
-            body = lines[labels[parts[1]]:j + 1]
-            dots = sum("vpdpbusd" in x for x in body)
-            if dots:
-                ratios.add(sum("prefetcht1" in x for x in body) / dots)
+    ratios = {sum("prefetcht1" in x for x in body) / dots for body in asm_loops(asm)
+              if (dots := sum("vpdpbusd" in x for x in body))}
     pair = 2 * FORMATS[fmt][1]
     assert ratios == {1.0 if pair <= 64 else 2.0}, (fmt, ratios)
 
