@@ -131,7 +131,7 @@ HALVES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0
 def any_blocks(ctx, fmt, N, K, seed, inf=False):
     """[N, K] of random block bytes (every code, sub-scale, min and high bit pattern) with
     f16 scales of magnitudes 1e-7 .. 1e3, subnormals included (inf: and a few infinite
-    ones)."""
+    ones and a NaN)."""
     rng = np.random.default_rng(seed)
     bs, nbytes = FORMATS[fmt]
     nblk = N * K // bs
@@ -140,6 +140,7 @@ def any_blocks(ctx, fmt, N, K, seed, inf=False):
         h = (rng.standard_normal(nblk) * 10.0 ** rng.integers(-7, 4, nblk)).astype(np.float16)
         if inf:
             h[rng.integers(0, nblk, 6)] = np.float16(np.inf) * rng.choice([-1, 1], 6)
+            h[rng.integers(0, nblk)] = np.float16(np.nan)
         raw[:, off:off + 2] = h.view(np.uint8).reshape(nblk, 2)
     return xq.from_bytes(ctx, raw.tobytes(), (N, K), fmt)
 
@@ -261,6 +262,63 @@ def test_for_matvec_on_any_bytes(ctx1, fmt):
                 want = x.dot(q, "i").numpy()
                 assert np.isfinite(want).any() if inf else np.isfinite(want).all()
                 assert_bitwise(x.dot(qi, "i").numpy(), want)
+
+
+def q5_0_rows(rows, K):
+    """q5_0 blocks [len(rows), K] of random codes and finite scales, with row r's block 1
+    replaced by rows[r] = (d, code) when given: every weight of that block the code."""
+    raw = blocks_for(rnd(len(rows), K), "q5_0").reshape(len(rows), K // 32, 22).copy()
+    for r, special in enumerate(rows):
+        if special is not None:
+            d, code = special
+            raw[r, 1, 0:2] = np.array([d], np.float16).view(np.uint8)
+            raw[r, 1, 2:6] = 0xFF if code >= 16 else 0       # qh: every fifth bit
+            raw[r, 1, 6:22] = (code & 15) * 0x11              # both nibbles of each qs byte
+    return raw
+
+
+def test_q5_0_tables_with_special_scales(ctx1):
+    """The 16-lane q5_0 gemv builds a block's second table as the first plus 16·d (one
+    multiply, codegen/quant_gemm._tables), for segments whose scales are all finite; an
+    inf or NaN d sends its segment to the two multiplies. A block of d = +inf and code 20
+    (every weight +inf), of d = -inf and code 3 (+inf too: (3 - 16)·-inf), would give NaN
+    by the add (-inf + inf); a NaN d; and d < 0 with code 16 (weights -0, the add's +0):
+    the stored and interleaved layouts give the block decoders' bits, at K = 2400 (several
+    staging segments: the special one among finite ones)."""
+    K = 2400
+    specials = [(np.inf, 20), (-np.inf, 3), (np.nan, 7), (-0.5, 16), None]
+    q = fu.Tensor(xq.from_bytes(ctx1, q5_0_rows(specials, K).tobytes(), (len(specials), K),
+                                "q5_0"), ("o", "i"))
+    xa = np.abs(rnd(3, K)) + 0.1         # positive: a row of +inf weights sums to +inf
+    x = ctx1.tensor(xa, ("s", "i"))
+    want = gemv_kernel(ctx1, x._raw, q._raw, 2, table=False)   # the block decoders
+    assert np.isposinf(want[:, :2]).all() and np.isnan(want[:, 2]).all()
+    assert np.isfinite(want[:, 3:]).all()
+    for got in (gemv_kernel(ctx1, x._raw, q._raw, 2), x.dot(q, "i").numpy(),
+                x.dot(q.for_matvec(), "i").numpy(),
+                ctx1.tensor(xa[:1], ("s", "i")).dot(q.for_matvec(), "i").numpy()):
+        assert_bitwise(got, want[:len(got)])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_q5_0_gemv_multiplies_once_a_block(interleaved):
+    """The 16-lane q5_0 gemv's block loops: where the segment's scales are finite, one
+    multiply and one add per block build its two tables (the multiplies bind the loop, with
+    the FMAs and the permutes, on the FMA pipes); the other loop, for a segment with an inf
+    or a NaN d, two multiplies. Counted per FMA (two a block) in the kernel's assembly."""
+    from fucina.codegen import jit, quant_gemm
+
+    if not quant_gemm.sums_tables("q5_0"):
+        pytest.skip("the 16-lane tables need AVX-512")
+    asm = jit.assembly(quant_gemm.QuantGemvKey("q5_0", 1, 4, interleaved=interleaved).ir("k"))
+    per_fma = set()
+    for body in asm_loops(asm):
+        fmas = sum("vfmadd" in x for x in body)
+        inner = not any(x.startswith(".LBB") for x in body[1:])   # no loop inside
+        if fmas and inner:
+            per_fma.add((sum("vmulps" in x for x in body) / fmas,
+                         sum("vaddps" in x for x in body) / fmas))
+    assert {(0.5, 0.5), (1.0, 0.0)} <= per_fma, per_fma
 
 
 def test_for_matvec_leaves_other_tensors(ctx1):
