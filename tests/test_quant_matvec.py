@@ -123,6 +123,22 @@ def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
         assert_bitwise(outs[0], other)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k"])
+def test_outputs_per_item_keep_the_bits(ctx1, fmt):
+    """A gemv item's outputs (cols: 4, or 2 for one row of x against q8_0 and interleaved
+    q5_0, exec.quant.gemv_cols) only group outputs: 1, 2 and 4 a item give the same bits,
+    and x.dot's plan takes gemv_cols' count."""
+    N, K = 37, 1280 if fmt in KQUANT else 2400
+    q, _ = qweight(ctx1, N, K, fmt)
+    x = ctx1.tensor(rnd(1, K), ("s", "i"))
+    outs = [gemv_kernel(ctx1, x._raw, q._raw, cols) for cols in (1, 2, 4)]
+    for other in outs[1:]:
+        assert_bitwise(outs[0], other)
+    assert_bitwise(x.dot(q, "i").numpy(), outs[0])
+    want = 2 if fmt == "q8_0" and xq.ONE_ROW_COLS else 4 if xq.ONE_ROW_COLS else 2
+    assert xq.gemv_cols(1, fmt, False) == want
+
+
 # the f16 scale fields of each block (d, and m / dmin where there is one)
 HALVES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
           "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}

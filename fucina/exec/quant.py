@@ -192,6 +192,22 @@ GEMV_WORK = 1 << 16      # weights decoded per chunk of a gemv launch
 # lanes (AVX2, 16 registers) 2: with 4 a row's 8 accumulators, x's 4 vectors and the
 # decode spill (Zen 3, one thread, q4_1 [1536, 4608]: 7.8 -> 11.8 G weights/s).
 GEMV_COLS = {1: 4, 2: 4, 3: 2, 4: 2} if g.lanes() == 16 else {1: 2, 2: 2, 3: 2, 4: 2}
+# One row of x on 16 lanes, (format, interleaved) -> outputs per item where 2 beat 4: the
+# item's rows of w are as many streams from memory (Zen 4, one thread, in-process A/B:
+# q8_0 [49152, 576] / [65536, 640] from memory 1.22-1.29x, [32768, 896] 1.28x, in cache
+# [1536, 576] 1.07x; interleaved q5_0 [4864, 896] 1.16x, [640, 2048] 1.18x, [896, 4864]
+# 0.96x; decode, 1 / 2 threads: Qwen2.5-Coder-0.5B Q4_K_M 1.20 / 1.24x, Gemma-3-270M
+# Q4_K_M 1.23 / 1.20x, SmolLM2 Q4_1 (its q8_0 head) 1.04-1.08x). q4_0 / q4_1 within
+# noise at 2, q5_1 mixed, the K-quants 7-20 % slower.
+ONE_ROW_COLS = {("q8_0", False): 2, ("q5_0", True): 2} if g.lanes() == 16 else {}
+
+
+def gemv_cols(rows: int, fmt: str, interleaved: bool) -> int:
+    """Outputs per item of a gemv of `rows` rows of x against a fmt weight (GEMV_COLS,
+    ONE_ROW_COLS): they only group outputs, each output's sum order is fixed by K."""
+    if rows == 1 and (fmt, interleaved) in ONE_ROW_COLS:
+        return ONE_ROW_COLS[fmt, interleaved]
+    return GEMV_COLS[rows]
 # rows of x the interleaved copy (interleave) serves: every gemv on AVX-512; on AVX2 one or two,
 # whose x fits in registers (Zen 3, one thread, [1536, 576]: at 1 row 1.07x (q4) to 1.64x
 # (q5_0) the stored blocks' gemv, at 2 rows 0.92-1.31x, at 3 or 4 rows 0.57-0.94x)
@@ -292,7 +308,7 @@ def _mm_plan(x, w, interleaved: bool = False) -> "mm.Plan":
         plan.kind = "gemv"
         for m0 in range(0, M, GEMV_ROWS):
             rows = min(GEMV_ROWS, M - m0)
-            cols = GEMV_COLS[rows]
+            cols = gemv_cols(rows, w.dtype, interleaved)
             items = -(-N // cols)
             per = max(1, GEMV_WORK // (cols * K))
             key = QuantGemvKey(w.dtype, rows, cols, interleaved=interleaved,
