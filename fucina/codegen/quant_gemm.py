@@ -170,10 +170,10 @@ def _lut_q5(b, src, fmt, dm, finite=False):
 def _tables(b, fmt, d, m=None, d16=None):
     """The 16-value tables of a q4 (one) or q5 (two) block, the decoder's values of codes
     0-15 and 16-31. d16 (q5_0 with a finite d: 16·d broadcast) builds the second as the
-    first plus 16·d, an add for the second multiply: the multiplies and the block's FMAs
-    share the two FMA pipes, the permutes a third, which binds the gemv on Zen 4 (an
-    interleaved q5_0 block 2.98 -> 2.56 cycles a 16 weights in a register-only model of its
-    loop). (k − 16)·d + 16·d is k·d exactly (both multiples of d's last place, the sum
+    first plus 16·d, an add for the second multiply: on Zen 4 the multiplies, the block's
+    FMAs and its two-table permutes all take the FMA pipes, which bind the gemv, and an add
+    runs beside them (an interleaved q5_0 block 2.98 -> 2.56 cycles a 16 weights in a
+    register-only model of its loop; the kernel 1.08-1.21x in cache). (k − 16)·d + 16·d is k·d exactly (both multiples of d's last place, the sum
     representable), so each weight is the decoder's, but for the sign of a zero: code 16
     gives +0, the decoder −0 when d < 0. A zero weight's sign cannot reach the output: the
     accumulators start at +0, and an FMA adding ±0 to a sum returns the sum (+0 + −0 is +0
@@ -321,8 +321,9 @@ def _staged_range(b, key, w, rows, row_bytes, k0, k1, sbuf, block, prefetch=None
                   short=False):
     """Blocks k0 .. k1 − 1 of k in segments of SEGMENT (short: k1 − k0 < SEGMENT, one
     segment, no loop over them): first every block's f16 scales of the segment, for each
-    row of w, converted to f32 into an L1 buffer (sbuf, 2·SEGMENT floats a row), then the
-    segment's blocks decoded with their scales broadcast from that buffer (a broadcast from
+    row of w, converted to f32 into an L1 buffer (sbuf, 2·SEGMENT floats a row: d and m, or
+    for q5_0 d and 16·d with a finite flag, _tables), then the segment's blocks decoded
+    with their scales broadcast from that buffer (a broadcast from
     memory folds into the table's multiply; from a register it is one more vector
     instruction, and the block loop is bound by vector instructions: 5-10 % faster at the
     SmolLM2 shapes, 1 thread). The blocks and their sums keep their order: the bits are the
