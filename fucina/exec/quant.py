@@ -196,9 +196,10 @@ GEMV_COLS = {1: 4, 2: 4, 3: 2, 4: 2} if g.lanes() == 16 else {1: 2, 2: 2, 3: 2, 
 # item's rows of w are as many streams from memory (Zen 4, one thread, in-process A/B:
 # q8_0 [49152, 576] / [65536, 640] from memory 1.22-1.29x, [32768, 896] 1.28x, in cache
 # [1536, 576] 1.07x; interleaved q5_0 [4864, 896] 1.16x, [640, 2048] 1.18x, [896, 4864]
-# 0.96x; decode, 1 / 2 threads: Qwen2.5-Coder-0.5B Q4_K_M 1.20 / 1.24x, Gemma-3-270M
-# Q4_K_M 1.23 / 1.20x, SmolLM2 Q4_1 (its q8_0 head) 1.04-1.08x). q4_0 / q4_1 within
-# noise at 2, q5_1 mixed, the K-quants 7-20 % slower.
+# 0.96x; decode, 1 / 2 threads, against two loads of the same model kept at 4 (the first
+# model loaded in a process decodes up to ~10 % slower, so controls): Qwen2.5-Coder-0.5B
+# Q4_K_M 1.10 / 1.10x, Gemma-3-270M Q4_K_M 1.18 / 1.12x, SmolLM2 Q4_1 (its q8_0 head)
+# ~1.05x). q4_0 / q4_1 within noise at 2, q5_1 mixed, the K-quants 7-20 % slower.
 ONE_ROW_COLS = {("q8_0", False): 2, ("q5_0", True): 2} if g.lanes() == 16 else {}
 
 
