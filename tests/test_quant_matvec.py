@@ -126,8 +126,8 @@ def test_table_decode_gives_the_decoders_bits(ctx1, fmt, rows):
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k"])
 def test_outputs_per_item_keep_the_bits(ctx1, fmt):
     """A gemv item's outputs (cols: 4, or 2 for one row of x against q8_0 and interleaved
-    q5_0, exec.quant.gemv_cols) only group outputs: 1, 2 and 4 a item give the same bits,
-    and x.dot's plan takes gemv_cols' count."""
+    q5_0 on AVX-512, exec.quant.gemv_cols) only group outputs: 1, 2 and 4 an item give
+    the same bits, and x.dot's plan takes gemv_cols' count."""
     N, K = 37, 1280 if fmt in KQUANT else 2400
     q, _ = qweight(ctx1, N, K, fmt)
     x = ctx1.tensor(rnd(1, K), ("s", "i"))
@@ -135,8 +135,15 @@ def test_outputs_per_item_keep_the_bits(ctx1, fmt):
     for other in outs[1:]:
         assert_bitwise(outs[0], other)
     assert_bitwise(x.dot(q, "i").numpy(), outs[0])
-    want = 2 if fmt == "q8_0" and xq.ONE_ROW_COLS else 4 if xq.ONE_ROW_COLS else 2
-    assert xq.gemv_cols(1, fmt, False) == want
+    avx512 = bool(xq.ONE_ROW_COLS)
+    cols = xq.gemv_cols(1, fmt, False)
+    assert cols == (2 if fmt == "q8_0" or not avx512 else 4)
+    from fucina.codegen import kernels
+    plan = xq._mm_plan(x._raw, q._raw)
+    assert kernels.keys_by_address()[plan.steps[0][0]].cols == cols
+    if fmt == "q5_0":   # the interleaved copy's one-row gemv: 2 on AVX-512 too
+        assert xq.gemv_cols(1, fmt, True) == 2
+        assert_bitwise(x.dot(q.for_matvec(), "i").numpy(), outs[0])
 
 
 # the f16 scale fields of each block (d, and m / dmin where there is one)
