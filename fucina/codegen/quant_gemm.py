@@ -187,11 +187,16 @@ def _tables(b, fmt, d, m=None, d16=None):
     return [lo, kq.table(b, _code_values(fmt, 1), d, m)]
 
 
+def _sixteens_lanes(n: int) -> int:
+    """Lanes of _with_sixteens' vector for n d's: 2n values and n or more products by 0."""
+    return 4 if n == 1 else 16
+
+
 def _finite_flag(b, n):
     """A flag for a segment of q5_0 scales, n at a time (_with_sixteens): the bits of their
     products by 0 or-ed, an exponent of all ones when a d is an inf or a NaN; the segment
     then builds its tables with two multiplies (_tables, _by_finite)."""
-    ty = ir.VectorType(u.I32, 4 if n == 1 else 16)
+    ty = ir.VectorType(u.I32, _sixteens_lanes(n))
     flag = u.entry_alloca(b, ty)
     b.store(u.const(ty, 0), flag)
     return flag
@@ -202,7 +207,7 @@ def _with_sixteens(b, h, n, flag):
     scale slot's floats for _tables: the d's, then their 16·d's (exact), from one convert
     and one multiply of the d's repeated across a vector (4 lanes, or 16); its other lanes,
     the d's times 0 (0 for a finite d, NaN for an inf or a NaN), are or-ed into flag."""
-    lanes = 4 if n == 1 else 16
+    lanes = _sixteens_lanes(n)
     rep = b.shuffle_vector(h, h, ir.Constant(ir.VectorType(u.I32, lanes),
                                              [k % n for k in range(lanes)]))
     scale = [1.0] * n + [16.0] * n + [0.0] * (lanes - 2 * n)
