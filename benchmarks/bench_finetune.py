@@ -248,8 +248,9 @@ def _rows(path, label, threads, quick, seqs, rss, rates, sft=False) -> list[dict
 
 def bf16_rows(path, label, threads, quick, seqs) -> list[dict]:
     """The step with compute="bf16" against our f32 step, same process, same tokens."""
-    from fucina.exec.matmul_bf16 import host_has_dot
-    native = host_has_dot()[0]
+    from fucina.exec.matmul_bf16 import host_engine
+    engine = host_engine()[0]
+    native = engine != "emulated"
     out = []
     for seq in seqs:
         for tname, targets in TARGETS.items():
@@ -269,7 +270,8 @@ def bf16_rows(path, label, threads, quick, seqs) -> list[dict]:
                     f"steps after {WARMUP} warm-up steps, medians; "
                     f"{_flops(cfg, targets, seq) / b_s / 1e9:.0f} "
                     f"GFLOP/s of matrix work; losses {bl[0]:.4f} (bf16) / {fl[0]:.4f} (f32), "
-                    f"max |Δ| {dev:.4f} over the {len(batches)} steps"
+                    f"max |Δ| {dev:.4f} over the {len(batches)} steps; products on "
+                    f"{ {'amx': 'AMX tiles', 'dot': 'vdpbf16ps'}.get(engine, 'the emulation') }"
                     + (f"; peak RSS {rss_b:.0f} MB (bf16) vs {rss_f:.0f} MB (f32)"
                        if rss_b and rss_f else ""))
             if not native:

@@ -312,15 +312,17 @@ def test_compute_bf16_loss_deviation(tiny, tmp_path):
     """--compute bf16 against the f32 run over 30 steps (same init, data and seeds): the first
     loss differs by the arithmetic alone (small, and not zero: the frozen GEMMs did run in bf16),
     the trajectories stay close; a bf16 run is bitwise the same at 1 and 2 threads."""
-    from fucina.exec.matmul_bf16 import host_has_dot
+    from fucina.exec.matmul_bf16 import host_engine
     losses, lines = {}, []
     for c, th in (("f32", 1), ("bf16", 1), ("bf16", 2)):
         r = run(opts(tiny, steps=30, compute=c, threads=th, save=str(tmp_path / f"{c}{th}")),
                 lines)
         losses[c, th] = np.array([st.loss for st in r.steps])
     model = [ln for ln in lines if ln.startswith("model:") and "bf16 compute" in ln]
-    assert len(model) == 2      # the model line says when the bf16 dot is emulated, and on what
-    assert all(("emulated" in ln) != host_has_dot()[0] for ln in model)
+    assert len(model) == 2      # the model line says what runs the products (emulated: on what)
+    engine = host_engine()[0]
+    assert all(("emulated" in ln) == (engine == "emulated") for ln in model)
+    assert all(("AMX tiles" in ln) == (engine == "amx") for ln in model)
     f32, bf16 = losses["f32", 1], losses["bf16", 1]
     assert np.array_equal(bf16, losses["bf16", 2])
     first = abs(bf16[0] - f32[0]) / f32[0]

@@ -23,6 +23,9 @@ from fucina.exec.matmul_bf16 import gemm_bf16
 
 NATIVE = cg.native()
 needs_native = pytest.mark.skipif(not NATIVE, reason="the host has no AVX-512 BF16 (vdpbf16ps)")
+DOT = "dot" if NATIVE else "emulated"     # this host's vdpbf16ps family (the same bits)
+# every engine this host runs: the tests of the semantics all engines share take each
+HERE = (["amx"] if mb.amx_granted() else []) + [DOT]
 
 
 def bf16(x) -> np.ndarray:
@@ -53,28 +56,31 @@ SHAPES = [(1, 1, 1), (5, 7, 3), (14, 32, 32), (37, 131, 45), (3, 1025, 70), (64,
 @pytest.mark.parametrize("M,K,N", SHAPES)
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
 @pytest.mark.parametrize("bdt", ["bf16", "f32"])
-def test_against_numpy(ctx, M, K, N, ta, tb, bdt):
+@pytest.mark.parametrize("engine", HERE)
+def test_against_numpy(ctx, M, K, N, ta, tb, bdt, engine):
     """Every packing mode (A k-contiguous or not, B n- or k-contiguous; bf16 or f32 B), odd K,
     ragged tile edges, several KC blocks (K > 512)."""
     rng = np.random.default_rng(M * 7 + K + N)
     A = rng.standard_normal((M, K)).astype(np.float32)
     B = rng.standard_normal((K, N)).astype(np.float32)
-    c = gemm_bf16(ctx, operand(ctx, A, ta), operand(ctx, B, tb, bdt)).to_numpy()
+    c = gemm_bf16(ctx, operand(ctx, A, ta), operand(ctx, B, tb, bdt), engine).to_numpy()
     check_close(c, A, B)
 
 
-def test_strided_any_mode(ctx1):
+@pytest.mark.parametrize("engine", HERE)
+def test_strided_any_mode(ctx1, engine):
     """Neither operand unit-stride along either axis: the scalar packing."""
     rng = np.random.default_rng(3)
     A = rng.standard_normal((23, 2 * 77)).astype(np.float32)
     B = rng.standard_normal((77, 2 * 19)).astype(np.float32)
     a = ctx1.from_numpy(A).view((23, 77), (2 * 77, 2))
     b = ctx1.from_numpy(B, dtype="bf16").view((77, 19), (2 * 19, 2))
-    c = gemm_bf16(ctx1, a, b).to_numpy()
+    c = gemm_bf16(ctx1, a, b, engine).to_numpy()
     check_close(c, A[:, ::2], B[:, ::2])
 
 
-def test_rounds_like_torch(ctx1):
+@pytest.mark.parametrize("engine", HERE)
+def test_rounds_like_torch(ctx1, engine):
     """The activation is rounded to nearest even exactly as torch's bf16 cast (normal values)."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)
@@ -82,13 +88,13 @@ def test_rounds_like_torch(ctx1):
     B = bf16(rng.standard_normal((64, 16)))
     ta = torch.from_numpy(A).to(torch.bfloat16).double()
     ref = (ta @ torch.from_numpy(B).double()).numpy()
-    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B, dtype="bf16")).to_numpy()
+    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B, dtype="bf16"), engine).to_numpy()
     bound = 64 * 2.0 ** -24 * (np.abs(ta.numpy()) @ np.abs(B.astype(np.float64)))
     assert (np.abs(c - ref) <= bound).all()
     # and ties go to even: 1 + 2^-8 (a tie between bf16 1 and 1 + 2^-7) rounds down to 1
     one = gemm_bf16(ctx1, ctx1.from_numpy(np.array([[1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8]],
                                                     np.float32)),
-                    ctx1.from_numpy(np.array([[1.0], [0.0]], np.float32))).to_numpy()
+                    ctx1.from_numpy(np.array([[1.0], [0.0]], np.float32)), engine).to_numpy()
     assert one[0, 0] == 1.0
 
 
@@ -179,31 +185,31 @@ def _near_tiny(rng, M, K, N):
     return part(M, K), part(K, N)
 
 
-@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
-def test_exact_model_edges(ctx1, native):
+@pytest.mark.parametrize("engine", [pytest.param("dot", marks=needs_native), "emulated"])
+def test_exact_model_edges(ctx1, engine):
     """Both the instruction and its emulation compute the model exactly (the probe behind the
     codegen docstring: each rejected candidate — even product first, one rounding per pair,
     no flush between the steps, tininess before rounding, FMA denormal rounding — fails one
     of these rows)."""
     A, B = _edge_cases()
-    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B), native=native).to_numpy()
+    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B), engine=engine).to_numpy()
     assert_bitwise(c, model(A, B))
 
 
-@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
-def test_exact_model_random(ctx1, native):
+@pytest.mark.parametrize("engine", [pytest.param("dot", marks=needs_native), "emulated"])
+def test_exact_model_random(ctx1, engine):
     rng = np.random.default_rng(5)
     A, B = _near_tiny(rng, 12, 24, 17)
-    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B), native=native).to_numpy()
+    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B), engine=engine).to_numpy()
     assert_bitwise(c, model(A, B))
     A = rng.standard_normal((9, 30)).astype(np.float32) * np.float32(3)
     B = rng.standard_normal((30, 20)).astype(np.float32)
-    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B), native=native).to_numpy()
+    c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B), engine=engine).to_numpy()
     assert_bitwise(c, model(A, B))
 
 
-@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
-def test_edge_rows_are_the_model(native):
+@pytest.mark.parametrize("engine", [pytest.param("dot", marks=needs_native), "emulated"])
+def test_edge_rows_are_the_model(engine):
     """The last panel of rows runs a micro-tile of its own height (EDGE_ROWS): for M across
     every height (MR = 14 on AVX-512), each element is still the model's chain, at 1 and 2
     threads."""
@@ -214,7 +220,7 @@ def test_edge_rows_are_the_model(native):
         want = model(A, B)
         for th in (1, 2):
             with fu.ExecContext(threads=th) as ctx:
-                c = gemm_bf16(ctx, ctx.from_numpy(A), ctx.from_numpy(B), native=native)
+                c = gemm_bf16(ctx, ctx.from_numpy(A), ctx.from_numpy(B), engine=engine)
                 assert_bitwise(c.to_numpy(), want)
 
 
@@ -230,8 +236,8 @@ def test_emulation_matches_instruction(ctx, scale):
     else:
         A, B = _near_tiny(rng, 70, 600, 90)
     a, b = ctx.from_numpy(A), ctx.from_numpy(B, dtype="bf16")
-    assert_bitwise(gemm_bf16(ctx, a, b, native=False).to_numpy(),
-                   gemm_bf16(ctx, a, b, native=True).to_numpy())
+    assert_bitwise(gemm_bf16(ctx, a, b, "emulated").to_numpy(),
+                   gemm_bf16(ctx, a, b, "dot").to_numpy())
 
 
 # ---- determinism ----------------------------------------------------------------------------
@@ -252,8 +258,8 @@ def test_packing_rounds_every_edge_as_the_spec(ctx1, ta):
     A.flat[rng.choice(M * K, 3000, replace=False)] = np.resize(bits, 3000).view(np.float32)
     a = operand(ctx1, A, ta)
     w = ctx1.from_numpy(np.ones((K, 3), np.float32), dtype="bf16")
-    gemm_bf16(ctx1, a, w)
-    plan = mb._plans[(a.lay, w.lay, None, False, False)]
+    gemm_bf16(ctx1, a, w, DOT)
+    plan = mb._plans[(a.lay, w.lay, DOT, False, False)]
     scratch = ctx1.empty((plan.words,), "f32")
     for k0, (addr, n, cost, tail), _ in plan.slices:
         ctx1.launch(addr, n, cost, a.addr + k0 * a.strides[1] * 4, scratch.addr, *tail)
@@ -281,15 +287,16 @@ def test_packing_rounds_every_edge_as_the_spec(ctx1, ta):
     assert band.sum() > 300
 
 
-def test_one_and_two_threads_bitwise():
+@pytest.mark.parametrize("engine", HERE)
+def test_one_and_two_threads_bitwise(engine):
     rng = np.random.default_rng(7)
     A = rng.standard_normal((350, 1100)).astype(np.float32)   # two M blocks, three K blocks
     B = rng.standard_normal((700, 1100)).astype(np.float32)
     out = []
     for th in (1, 2):
         with fu.ExecContext(threads=th) as ctx:
-            out.append(gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B.T, True, "bf16"))
-                       .to_numpy())
+            out.append(gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B.T, True, "bf16"),
+                                 engine).to_numpy())
     assert_bitwise(out[0], out[1])
 
 
@@ -308,7 +315,7 @@ def test_k_slices_and_c_prefetch_keep_the_bits(tb, monkeypatch):
         mb._plans.clear()
         for th in (1, 2):
             with fu.ExecContext(threads=th) as ctx:
-                outs.append(gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B, tb, "bf16"))
+                outs.append(gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B, tb, "bf16"), DOT)
                             .to_numpy())
                 plan = next(iter(mb._plans.values()))
                 tile = plan.slices[0][2]
@@ -323,7 +330,8 @@ def test_k_slices_and_c_prefetch_keep_the_bits(tb, monkeypatch):
 
 @pytest.mark.parametrize("M,K,N", [(40, 300, 70), (60, 1100, 100), (30, 2400, 50)],
                          ids=["one-kc", "kc-blocks", "k-slices"])
-def test_accumulate_and_rank_add_are_the_separate_passes(M, K, N):
+@pytest.mark.parametrize("engine", HERE)
+def test_accumulate_and_rank_add_are_the_separate_passes(M, K, N, engine):
     """out += bf16(a)·bf16(b) adds each final sum once (partial sums of earlier KC blocks wait
     in a place of their own), and rank_add (x, y, s) adds s·(x·y) in the tile stores: the bits
     of the product, then out + it, then gemm(x, y, out, accumulate=True, scale=s) — one KC
@@ -342,50 +350,54 @@ def test_accumulate_and_rank_add_are_the_separate_passes(M, K, N):
             x, y = ctx.from_numpy(X), ctx.from_numpy(Y)
             rank = (x, y, 0.375)
             for acc in (False, True):
-                want = gemm_bf16(ctx, a, b)
+                want = gemm_bf16(ctx, a, b, engine)
                 if acc:
                     s = ctx.from_numpy(C0 + want.to_numpy())       # numpy's f32 add
                     want = s
                 gemm(ctx, x, y, out=want, accumulate=True, scale=0.375)
                 for ranked in (False, True):
                     out = ctx.from_numpy(C0.copy()) if acc else None
-                    got = gemm_bf16(ctx, a, b, out=out, accumulate=acc,
+                    got = gemm_bf16(ctx, a, b, engine, out=out, accumulate=acc,
                                     rank_add=rank if ranked else None)
                     if ranked:
                         assert_bitwise(got.to_numpy(), want.to_numpy())
                     else:
-                        plain = gemm_bf16(ctx, a, b).to_numpy()
+                        plain = gemm_bf16(ctx, a, b, engine).to_numpy()
                         assert_bitwise(got.to_numpy(), C0 + plain if acc else plain)
-            plan = mb._plans[(a.lay, b.lay, None, True, True)]
+            plan = mb._plans[(a.lay, b.lay, engine, True, True)]
+            if engine == "amx":      # one pass, its rank term in the stores, whatever K
+                continue
             assert plan.ranked == (K <= 2 * mb.K_SLICE)
             assert bool(plan.partial) == (K <= 2 * mb.K_SLICE and K > mb._kc(K, NATIVE))
 
 
-def test_accumulate_and_rank_add_errors(ctx1):
+@pytest.mark.parametrize("engine", HERE)
+def test_accumulate_and_rank_add_errors(ctx1, engine):
     a = ctx1.from_numpy(np.ones((3, 4), np.float32))
     b = ctx1.from_numpy(np.ones((4, 5), np.float32), dtype="bf16")
     with pytest.raises(fu.InvalidArgument, match="accumulate=True needs out"):
-        gemm_bf16(ctx1, a, b, accumulate=True)
+        gemm_bf16(ctx1, a, b, engine, accumulate=True)
     with pytest.raises(fu.ShapeMismatch, match=r"operand out: expected a contiguous f32 tensor "
                                                r"of shape \(3, 5\), got f32 \(3, 4\)"):
-        gemm_bf16(ctx1, a, b, out=ctx1.from_numpy(np.ones((3, 4), np.float32)))
+        gemm_bf16(ctx1, a, b, engine, out=ctx1.from_numpy(np.ones((3, 4), np.float32)))
     with pytest.raises(ValueError, match="operand out: expected a buffer distinct"):
         sq = ctx1.from_numpy(np.ones((4, 4), np.float32))
-        gemm_bf16(ctx1, sq, sq, out=sq)
+        gemm_bf16(ctx1, sq, sq, engine, out=sq)
     x, y = ctx1.from_numpy(np.ones((3, 2), np.float32)), ctx1.from_numpy(np.ones((3, 5), np.float32))
     with pytest.raises(fu.ShapeMismatch, match=r"rank_add: expected x \[3, r\] and y \[r, 5\]"):
-        gemm_bf16(ctx1, a, b, rank_add=(x, y, 1.0))
+        gemm_bf16(ctx1, a, b, engine, rank_add=(x, y, 1.0))
     # a k in slices checks the rank term before its passes: out is left as it was
     K = 2 * mb.K_SLICE + 2
     long_a = ctx1.from_numpy(np.ones((3, K), np.float32))
     long_b = ctx1.from_numpy(np.ones((K, 5), np.float32), dtype="bf16")
     out = ctx1.from_numpy(np.full((3, 5), 7.0, np.float32))
     with pytest.raises(fu.ShapeMismatch, match=r"rank_add: expected x \[3, r\]"):
-        gemm_bf16(ctx1, long_a, long_b, out=out, accumulate=True, rank_add=(x, y, 1.0))
+        gemm_bf16(ctx1, long_a, long_b, engine, out=out, accumulate=True, rank_add=(x, y, 1.0))
     assert (out.to_numpy() == 7.0).all()
 
 
-def test_cold_compile_equals_warm_load(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", HERE)
+def test_cold_compile_equals_warm_load(tmp_path, monkeypatch, engine):
     monkeypatch.setenv("FUCINA_CACHE_DIR", str(tmp_path))  # a private cache: this test compiles
     for var in ("FUCINA_CACHE", "FUCINA_ASSERT_WARM", "FUCINA_RECORD_MANIFEST"):
         monkeypatch.delenv(var, raising=False)
@@ -400,8 +412,8 @@ def test_cold_compile_equals_warm_load(tmp_path, monkeypatch):
 
     def run():
         with fu.ExecContext(threads=2) as ctx:
-            return [gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B, tb, "bf16")).to_numpy()
-                    for tb in (False, True)]
+            return [gemm_bf16(ctx, ctx.from_numpy(A), operand(ctx, B, tb, "bf16"), engine)
+                    .to_numpy() for tb in (False, True)]
 
     assert_cold_equals_warm(forget, run)
 
@@ -417,6 +429,13 @@ def test_bad_inputs(ctx1):
         gemm_bf16(ctx1, a, ctx1.from_numpy(np.ones((3, 5), np.float32), dtype="bf16"))
     with pytest.raises(fu.ShapeMismatch, match=r"expected a \[M, K\]"):
         gemm_bf16(ctx1, ctx1.from_numpy(np.ones((2, 3, 4), np.float32)), b)
+    with pytest.raises(fu.InvalidArgument, match="engine: expected one of amx, dot, emulated "
+                                                 "or None, got 'tiles'"):
+        gemm_bf16(ctx1, a, b, "tiles")
+    for engine in ("amx", "dot"):
+        if engine not in HERE:
+            with pytest.raises(fu.InvalidArgument, match=f"this host cannot run '{engine}'"):
+                gemm_bf16(ctx1, a, b, engine)
 
 
 # ---- Tensor.dot_bf16: forward and the gradient to x ------------------------------------------
@@ -574,7 +593,7 @@ def test_emulation_leaves_the_float_mode_as_it_found_it(threads):
         B = ctx.from_numpy(rng.standard_normal((300, 90)).astype(np.float32), dtype="bf16")
         Y = ctx.from_numpy(rng.standard_normal((4, 90)).astype(np.float32))
         out = ctx.from_numpy(np.full((200, 90), 2.0 ** -140, np.float32))
-        gemm_bf16(ctx, A, B, native=False, out=out, accumulate=True, rank_add=(X, Y, 0.5))
+        gemm_bf16(ctx, A, B, "emulated", out=out, accumulate=True, rank_add=(X, Y, 0.5))
         # a denormal C plus zeros stays itself (FTZ / DAZ would make it a zero)
         assert_bitwise(out.to_numpy()[:10], np.full((10, 90), 2.0 ** -140, np.float32))
         assert_bitwise(tiny * scale, want)

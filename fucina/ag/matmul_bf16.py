@@ -3,9 +3,9 @@
     y = x.dot_bf16(w, "in")      # w [out, in] (or [in, out]) bf16 or f32, a constant
 
 x (f32, any rank) and w are rounded to bf16 (nearest even; bf16 denormals read as zero) and
-their products summed in f32 by fucina.exec.matmul_bf16 (AVX-512 BF16's dot instruction where
-the host has it, its exact emulation elsewhere: the same bits). Result tags: x's without `tag`,
-then w's free tag. w is frozen: the gradient reaches x only, dx = bf16(g) · bf16(w) through the
+their products summed in f32 by fucina.exec.matmul_bf16 (AMX tiles where the host has them;
+else AVX-512 BF16's dot instruction, or its exact emulation: the same bits as the instruction).
+Result tags: x's without `tag`, then w's free tag. w is frozen: the gradient reaches x only, dx = bf16(g) · bf16(w) through the
 same kernel — the LoRA trainer's "compute bf16" (its frozen projections, forward and backward).
 """
 from __future__ import annotations

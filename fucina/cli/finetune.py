@@ -1009,14 +1009,16 @@ def _run(ctx, path: str, opts: Options, state, out) -> Result:
 
 
 def _bf16_compute() -> str:
-    """--compute bf16 as the model line says it: on a CPU without vdpbf16ps the exact
-    emulation runs at the f32 GEMM's rate, so the user sees why the step is no faster."""
-    from fucina.exec.matmul_bf16 import host_has_dot
+    """--compute bf16 as the model line says it, with what runs the products: AMX tiles, the
+    bf16 dot instruction, or — on a CPU with neither — its exact emulation at the f32 GEMM's
+    rate, so the user sees why the step is no faster."""
+    from fucina.exec.matmul_bf16 import host_engine
 
-    native, cpu = host_has_dot()
-    return "bf16 frozen weights, bf16 compute" + (
-        "" if native else f" (emulated: {cpu} has no AVX-512 BF16 dot, so f32's speed at half "
-                          f"the memory)")
+    engine, cpu = host_engine()
+    return "bf16 frozen weights, bf16 compute" + {
+        "amx": " on AMX tiles", "dot": "",
+        "emulated": f" (emulated: {cpu} has no AVX-512 BF16 dot, so f32's speed at half the "
+                    f"memory)"}[engine]
 
 
 def _describe(s: Session, name: str, load_s: float, state, out) -> None:

@@ -199,6 +199,8 @@ class GemmBf16PackKey(KernelKey):
     width: int
     mode: str     # wvec | kvec | any
     wide: bool = False   # the emulation's layout: two f32 slots per pair (_put)
+    tiles: bool = False  # AMX B tiles (gemm_bf16_amx): each block's pairs padded with zero words
+                         # to a multiple of 16, so a tile of 16 pair rows never reads past it
 
     def ir(self, symbol: str) -> str:
         return str(_build_pack(self, symbol))
@@ -223,7 +225,10 @@ def _build_pack(key: GemmBf16PackKey, symbol: str) -> ir.Module:
         kpl = b.sdiv(b.add(kcl, one), u.i64(2))             # pairs in this block
         F = pair_words(key.wide)
         blk = b.mul(b.mul(b.sdiv(k0, u.i64(2)), ppad), u.i64(F))   # words before this block
-        pstride = b.mul(kpl, u.i64(F * Wp))
+        rows_pad = kpl
+        if key.tiles:
+            rows_pad = b.mul(b.sdiv(b.add(kpl, u.i64(15)), u.i64(16)), u.i64(16))
+        pstride = b.mul(rows_pad, u.i64(F * Wp))
         sk0 = b.mul(k0, s_k)
         with u.Loop(b, p0, p1, 1, "p") as p:
             w0 = b.mul(p, u.i64(Wp))
@@ -237,6 +242,12 @@ def _build_pack(key: GemmBf16PackKey, symbol: str) -> ir.Module:
             else:
                 _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt,
                           key.wide)
+            if key.tiles:
+                with u.Loop(b, kpl, rows_pad, 1, "zp") as kp:
+                    for v in range(-(-Wp // W)):
+                        sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
+                        _put(b, dst, b.add(b.add(panel, b.mul(kp, u.i64(Wp))), u.i64(v * W)),
+                             u.const(_iv(W), 0), Wp, False, sm)
     b.ret_void()
     return mod
 

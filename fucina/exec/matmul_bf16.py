@@ -10,10 +10,22 @@ bitwise identical for any thread count. M blocks are large (b, the frozen weight
 once per M block) and N blocks small enough that there are several chunks for the threads.
 The tile kernel can also add the product to out and a LoRA delta in its stores (accumulate,
 rank_add: a bf16 projection with its adapter in one GEMM, forward and dx).
+
+Where the CPU has AMX (Sapphire Rapids and later) and the OS grants this process its tile
+state, the products run on tiles instead (fucina/codegen/gemm_bf16_amx.py): the same
+roundings of the operands, f32 sums grouped by tile (32 k a group) — bits of their own, the
+same at any thread count. Three launches: A's tiles, B's pair panels, then the C blocks; a
+bf16 weight with unit stride along k (the forward x · wᵀ of a frozen [out, in] weight) is
+read in place as the A side of Cᵀ = w · xᵀ, its block turned as it is stored.
 """
 from __future__ import annotations
 
+import functools
+import platform
+import sys
+
 from ..codegen import gemm_bf16 as g
+from ..codegen import gemm_bf16_amx as amx
 from ..codegen import kernels
 from ..errors import DTypeError, InvalidArgument, InvalidArgumentType, ShapeMismatch
 from . import elementwise as ew
@@ -26,6 +38,10 @@ NC_PANELS = 8    # at most this many NR panels of B per tile ...
 N_CHUNKS = 8     # ... and fewer when that leaves N with fewer blocks than this
 K_SLICE = 1024   # a k longer than twice this runs in slices of this many (even, a multiple of
                  # KC): the head's [1024, 49152] x [49152, 576] product 345 -> ~370 GFLOP/s
+ENGINES = ("amx", "dot", "emulated")   # AMX tiles, vdpbf16ps, vdpbf16ps's FMA emulation
+AMX_NC = 256         # at most this many columns of B in an AMX chunk ...
+AMX_CHUNKS = 8       # ... and rows in blocks small enough for this many chunks
+AMX_A_BYTES = 1 << 20   # at most this many bytes of A tiles in a chunk (they stay in L2)
 _plans: dict = {}
 
 
@@ -58,33 +74,59 @@ def _check(a, b):
                             f"{b.shape}")
 
 
-def host_has_dot() -> tuple[bool, str]:
-    """(this CPU has vdpbf16ps, its LLVM name): without it the bf16 products run the
-    instruction's exact emulation, at the f32 GEMM's rate (the memory of bf16 operands, no
-    speed-up over f32)."""
+@functools.lru_cache(maxsize=None)
+def amx_granted() -> bool:
+    """The CPU has AMX bf16 tiles and Linux lets this process use them: it asks each process
+    to request the tile state first (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, 0x1023 and
+    18; a tile instruction without it is a fatal signal), once, for every thread."""
+    if not amx.supported() or sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+
+
+def host_engine() -> tuple[str, str]:
+    """(the engine bf16 products run on here, the CPU's LLVM name): "amx" (tiles), "dot"
+    (vdpbf16ps), or "emulated" — vdpbf16ps's exact emulation at the f32 GEMM's rate (the
+    memory of bf16 operands, no speed-up over f32)."""
     from ..codegen.target import host
 
-    return g.native(), host().cpu
+    return ("amx" if amx_granted() else "dot" if g.native() else "emulated"), host().cpu
 
 
-def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None,
+def _engine(engine):
+    if engine is None:
+        return host_engine()[0]
+    if engine not in ENGINES:
+        raise InvalidArgument(f"matmul_bf16: engine: expected one of {', '.join(ENGINES)} or "
+                              f"None, got {engine!r}")
+    if engine == "amx" and not amx_granted() or engine == "dot" and not g.native():
+        raise InvalidArgument(f"matmul_bf16: engine: this host cannot run {engine!r} "
+                              f"(it runs {host_engine()[0]!r})")
+    return engine
+
+
+def gemm_bf16(ctx, a: RawTensor, b: RawTensor, engine: str | None = None,
               out: RawTensor | None = None, accumulate: bool = False,
               rank_add=None) -> RawTensor:
-    """c[M, N] = bf16(a[M, K]) · bf16(b[K, N]), f32 sums over k pairs in increasing order.
-    native: None = the instruction when the host has it; False = the emulation (tests).
+    """c[M, N] = bf16(a[M, K]) · bf16(b[K, N]) with f32 sums: over k pairs in increasing
+    order ("dot", "emulated": the same bits), or over tiles of 32 k ("amx").
+    engine: None = the host's fastest (host_engine); a name forces one (tests).
     out: the contiguous f32 [M, N] to write (accumulate=True: out += the product, each sum
     added to out's value once). rank_add (x [M, r], y [r, N], s): then c += s·(x·y) exactly
     as matmul.gemm(x, y, out=c, accumulate=True, scale=s) run after this one — in the tile
     kernel's stores (a LoRA delta on a bf16 projection, forward, and its dx), or as that pass
     when k runs in slices."""
     ranked = rank_add is not None
-    key = (a.lay, b.lay, native, accumulate, ranked)
+    key = (a.lay, b.lay, engine, accumulate, ranked)
     try:
         plan = _plans[key]
     except (KeyError, AttributeError):
         _check(a, b)
-        plan = _plans[key] = _make_plan(a, b, g.native() if native is None else native,
-                                        accumulate, ranked)
+        eng = _engine(engine)
+        plan = _plans[key] = (_amx_plan(a, b, accumulate, ranked) if eng == "amx" else
+                              _make_plan(a, b, eng == "dot", accumulate, ranked))
     if ctx.closed:
         ctx.check_open("matmul_bf16")
     if out is None:
@@ -94,15 +136,17 @@ def gemm_bf16(ctx, a: RawTensor, b: RawTensor, native: bool | None = None,
     else:
         _check_out(a, b, out, plan.shape)
     rargs = mm.rank_args(out, rank_add) if ranked else ()   # checked before any pass runs
+    if isinstance(plan, AmxPlan):
+        return _run_amx(ctx, plan, a, b, out, rargs)
     if len(plan.slices) > 1 and (accumulate or ranked):
         # k in slices continues its sums in C: the product, then its addition, then the rank
         # term, each its own pass (the same roundings)
         if accumulate:
-            c = gemm_bf16(ctx, a, b, native)
+            c = gemm_bf16(ctx, a, b, engine)
             ew.run(ctx, "add", "f32", plan.shape, (out, c), out=out)
             del c
         else:
-            gemm_bf16(ctx, a, b, native, out=out)
+            gemm_bf16(ctx, a, b, engine, out=out)
         if ranked:
             x, y, scale = rank_add
             mm.gemm(ctx, x, y, out=out, accumulate=True, scale=scale)
@@ -189,3 +233,80 @@ def _make_plan(a, b, native: bool, accumulate: bool = False, ranked: bool = Fals
                                        (M, N, ks, kc, MC, NC, nmb, nnb, int(N > M), s_bk, s_bn,
                                         int(k0 > 0)))))
     return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# AMX
+
+class AmxPlan:
+    """The launches of one layout pair on tiles: A's tiles (None: read in place), B's pair
+    panels, the C blocks, each (addr, n_chunks, cost, tail); the operands' sides (`swapped`:
+    b is the A side, a the B side, C turned as stored) and the scratch words of each pack."""
+
+    __slots__ = ("shape", "swapped", "apack", "bpack", "tile", "awords", "bwords")
+
+
+def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
+    plan = AmxPlan()
+    M, K = a.shape
+    N = b.shape[1]
+    plan.shape = (M, N)
+    s_am, s_ak = a.strides
+    s_bk, s_bn = b.strides
+    G = -(-K // amx.TILE_K)
+    Kp = G * amx.TILE_K
+    # a bf16 b whose k is unit stride is a frozen weight as held: the A side, read in place
+    plan.swapped = b.dtype == "bf16" and s_bk == 1 and K % amx.TILE_K == 0 \
+        and N % 16 == 0
+    if plan.swapped:
+        rows, cols = N, M                          # A side b^T [N, K], B side a^T [K, M]
+        bside = (a.dtype, M, s_am, s_ak)
+        plan.apack, plan.awords = None, 0
+        s_a = s_bn
+    else:
+        rows, cols = M, N
+        bside = (b.dtype, N, s_bn, s_bk)
+        npan = -(-M // 16)
+        per, groups = pack_groups(npan, 16 * Kp, 1)
+        addr = kernels.get(amx.GemmBf16RowsKey(a.dtype, "kvec" if s_ak == 1 else "any"))
+        plan.apack = (addr, groups, npan * 16 * Kp, (M, K, s_am, s_ak, G, npan, per))
+        plan.awords = npan * 16 * Kp // 2
+        s_a = 0
+    dt, width, s_w, s_k = bside
+    npan = -(-width // amx.BLOCK)
+    per, groups = pack_groups(npan, amx.BLOCK * Kp, 1)
+    addr = kernels.get(g.GemmBf16PackKey(dt, amx.BLOCK, _mode(width, K, s_w, s_k), False, True))
+    plan.bpack = (addr, groups, npan * amx.BLOCK * Kp, (width, K, s_w, s_k, Kp, npan, per, groups))
+    plan.bwords = npan * amx.BLOCK * Kp // 2
+    # chunks: B in column blocks of at most AMX_NC, A's rows in blocks of 32 small enough for
+    # AMX_CHUNKS chunks in all and for their tiles to stay in L2 across the column panels
+    nnb = -(-cols // AMX_NC)
+    NC = -(-(-(-cols // nnb)) // amx.BLOCK) * amx.BLOCK
+    nnb = -(-cols // NC)
+    mblocks = -(-rows // amx.BLOCK)
+    cap = max(1, AMX_A_BYTES // (2 * Kp * amx.BLOCK))
+    want = -(-AMX_CHUNKS // nnb)
+    MC = min(cap, -(-mblocks // want)) * amx.BLOCK
+    nmb = -(-rows // MC)
+    key = amx.GemmBf16AmxKey(plan.apack is None, plan.swapped, accumulate, ranked)
+    plan.tile = (kernels.get(key), nmb * nnb, M * N * K,
+                 (rows, cols, G, s_a, MC, NC, nmb, nnb, int(cols > rows), N))
+    return plan
+
+
+def _run_amx(ctx, plan: AmxPlan, a, b, out, rargs):
+    aside, bside = (b, a) if plan.swapped else (a, b)
+    bp = ctx.empty((plan.bwords,), "f32")
+    addr, n, cost, tail = plan.bpack
+    ctx.launch(addr, n, cost, bside.addr, bp.addr, *tail)
+    if plan.apack is None:
+        ap, a_addr = None, aside.addr
+    else:
+        ap = ctx.empty((plan.awords,), "f32")
+        addr, n, cost, tail = plan.apack
+        ctx.launch(addr, n, cost, aside.addr, ap.addr, *tail)
+        a_addr = ap.addr
+    addr, n, cost, tail = plan.tile
+    ctx.launch(addr, n, cost, a_addr, bp.addr, out.addr, *tail, *rargs)
+    del ap, bp
+    return out

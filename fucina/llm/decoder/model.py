@@ -16,7 +16,8 @@ it from the resident set: the finetune demo's default.
 `compute="bf16"` holds every matrix as bf16 (half the memory of f32; quantized and f16 ones are
 decoded, f32 ones rounded to nearest even; the file's pages of a converted matrix are dropped
 too) and runs every projection and the head through Tensor.dot_bf16: the activation (and,
-backward, its gradient) rounded to bf16, f32 sums through the CPU's bf16 dot instruction.
+backward, its gradient) rounded to bf16, f32 sums through the CPU's AMX tiles or its bf16 dot
+instruction.
 Everything else — norms, RoPE, attention, softmax, the loss, any adapter — stays f32.
 
 One layer (`layer`), with `adapt(name, input, base)` the hook a LoRA trainer uses to add its
