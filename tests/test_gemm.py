@@ -213,8 +213,9 @@ def test_rank_add_is_the_separate_pass(route, r, monkeypatch):
 
     if route != "rowvec":
         _route(monkeypatch, route == "direct-b")
-    else:   # with 16 registers rowvec keeps only some small-b shapes (mm._rowvec_pays)
+    else:   # with 16 registers or on Intel rowvec keeps only some small-b shapes (_rowvec_pays)
         monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)
+        monkeypatch.setattr(mm, "INTEL_ROWS", 1 << 30)
     monkeypatch.setattr(mm, "K_SLICE", 2 * g.KC)
     for M, K, N, acc in cases:
         for ta in (False, True):
@@ -313,7 +314,8 @@ def test_direct_b_accumulate_and_views(tb, monkeypatch):
 
 def test_rowvec_takes_rows_up_to_its_bounds(monkeypatch):
     """b unit-stride along n (x · W, dx = g · W): rowvec up to rowvec_rows() rows of C (RV_ROWS;
-    AVX2_BIG_ROWS with 16 registers) and a k of RV_ROWS_K, the tile path past either bound;
+    AVX2_BIG_ROWS with 16 registers, INTEL_ROWS on Intel) and a k of RV_ROWS_K, the tile path
+    past either bound;
     both run each element's FMA chain, so rowvec is bitwise the packed path there (1 and 2
     threads)."""
     rng = np.random.default_rng(11)
@@ -725,7 +727,8 @@ def test_rowvec_order_keeps_the_bits(monkeypatch):
     bits of the row-groups-first order, plain and accumulating, at 1 and 2 threads."""
     rng = np.random.default_rng(13)
     A, B, C0 = _data(rng, 301, 8), _data(rng, 8, 333), _data(rng, 301, 333)
-    monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)   # rowvec with 16 registers too
+    monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)   # rowvec with 16 registers too ...
+    monkeypatch.setattr(mm, "INTEL_ROWS", 1 << 30)  # ... and on Intel
 
     run = _plain_and_accumulated(A, B, C0, True)
     outs = []

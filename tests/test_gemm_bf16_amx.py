@@ -70,12 +70,21 @@ def swapped(a, b):
     return mb._plans[(a.lay, b.lay, "amx", False, False)].swapped
 
 
-@pytest.mark.parametrize("weight", [False, True])
-def test_exact_model_edges(ctx1, weight):
+@pytest.mark.parametrize("layout", ["f32", "weight", "bf16 rows"])
+def test_exact_model_edges(ctx1, layout):
     """The orders, roundings, flushes and the 2^-126 band of the vdpbf16ps edge rows (K = 4:
-    one group), under the tile's own order."""
+    one group), under the tile's own order; B as f32, as a bf16 weight [N, K], and as bf16
+    [K, N] rows in whole 32-column panels (copied as they are: the tiles read its denormals
+    as zeros themselves)."""
     A, B = _edge_cases()
-    assert_bitwise(amx(ctx1, A, B, weight).to_numpy(), model(A, B))
+    if layout == "bf16 rows":
+        B = np.concatenate([B, B[:, ::-1], B[:, :8]], 1)
+        B[:, 31] = [2.0 ** -130, 0, 0, 0]                 # a bf16 denormal of B ...
+        A = np.vstack([A, [[2.0 ** 100, 0, 0, 0]]]).astype(np.float32)   # ... times 2^100
+        c = gemm_bf16(ctx1, ctx1.from_numpy(A), ctx1.from_numpy(B, dtype="bf16"), "amx")
+    else:
+        c = amx(ctx1, A, B, layout == "weight")
+    assert_bitwise(c.to_numpy(), model(A, B))
 
 
 def test_exact_model_random(ctx1):
@@ -146,3 +155,37 @@ def test_many_chunks_and_rank_term_across_threads():
         assert_bitwise(o[1], outs[0][1])
     assert_bitwise(outs[0][0], model_f32(A, B))
     check_close(outs[0][0], A, B)
+
+
+@pytest.mark.parametrize("weight", [False, True])
+def test_k_slices_keep_the_bits(weight, monkeypatch):
+    """A long k in slices of KS tiles (the head's dx), the sums of the earlier slices waiting
+    in a place of their own: the bits of one pass — with C added to and the rank term — at 1
+    and 2 threads, the model's (slices of 2 tiles over 5: a short last slice)."""
+    rng = np.random.default_rng(10)
+    K = 160 if weight else 150          # the weight read in place (K % 32 == 0), or packed
+    A = rng.standard_normal((40, K)).astype(np.float32)
+    B = rng.standard_normal((K, 48)).astype(np.float32)
+    X = rng.standard_normal((40, 4)).astype(np.float32)
+    Y = rng.standard_normal((4, 48)).astype(np.float32)
+    C0 = rng.standard_normal((40, 48)).astype(np.float32)
+    results = []
+    for ks in (1 << 20, 2):
+        monkeypatch.setattr(mb, "AMX_K_SLICE", ks)
+        mb._plans.clear()
+        for th in (1, 2):
+            with fu.ExecContext(threads=th) as ctx:
+                b = operand(ctx, B, True, "bf16") if weight else ctx.from_numpy(B)
+                a = ctx.from_numpy(A)
+                plain = gemm_bf16(ctx, a, b, "amx").to_numpy()
+                out = ctx.from_numpy(C0.copy())
+                gemm_bf16(ctx, a, b, "amx", out=out, accumulate=True,
+                          rank_add=(ctx.from_numpy(X), ctx.from_numpy(Y), 0.5))
+                results.append((plain, out.to_numpy()))
+                plan = mb._plans[(a.lay, b.lay, "amx", False, False)]
+                assert bool(plan.partial) == (ks == 2) and plan.swapped == weight
+    mb._plans.clear()
+    for r in results:
+        assert_bitwise(r[0], results[0][0])
+        assert_bitwise(r[1], results[0][1])
+    assert_bitwise(results[0][0], model_f32(A, B))

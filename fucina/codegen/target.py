@@ -33,6 +33,12 @@ class Target:
         return all(f"+{n}" in enabled for n in names)
 
     @property
+    def amd(self) -> bool:
+        """An AMD core (LLVM names them znver*, bdver*, btver*): the kernels' tile and path
+        choices were measured there; Intel cores (two 512-bit FMA pipes) differ in places."""
+        return self.cpu.startswith(("znver", "bdver", "btver"))
+
+    @property
     def mask_registers(self) -> bool:
         """AVX-512's k registers: a masked store is as cheap as a plain one. Without them
         (AVX2) a masked store is vmaskmovps, about 12 cycles a ymm store on Zen 3."""

@@ -73,6 +73,8 @@ RV_ROWS, RV_ROWS_K = 512, 2048  # up to this many rows of C, K up to this, b uni
                                 # [576, 1536] 92 -> 101 / 177 -> 196, [256, 1536] x [1536, 576]
                                 # 106 -> 110 / 180 -> 221, [512, 576] x [576, 1536] 105 -> 113 /
                                 # 217 -> 224; at 1024 rows packed is as fast
+INTEL_ROWS, INTEL_WORK = 32, 1 << 20   # rowvec on Intel AVX-512 only up to this many rows of C
+                                      # or multiply-adds (_rowvec_pays)
 AVX2_ROWS, AVX2_BIG_ROWS = 32, 8   # rowvec's bounds with 16 registers (_rowvec_pays): rows
 AVX2_NARROW = (128, 256)          # of C with a small b / a big one; N below and M up to these
 K_SLICE = 2048           # a longer k runs in slices of this many (a multiple of KC): the
@@ -395,15 +397,24 @@ def _rowvec_pays(M, N, K, unit_n) -> bool:
     [64, 64] x [64, 64] 61 -> 39, [256, 576] x [576, 96] 75 -> 65."""
     small = K * N <= RV_MAX_B
     big = M <= rowvec_rows() and K <= RV_ROWS_K and unit_n
-    if host().vector_regs >= 32:
+    if host().vector_regs >= 32 and host().amd:
         return small or big
+    if host().vector_regs >= 32:
+        # Intel's two 512-bit FMA pipes outrun rowvec's reloads of b from L2 past a few dozen
+        # rows (rowvec_rows): 1 thread, GFLOP/s rowvec -> packed direct-b (an Intel Xeon with
+        # AMX): [256, 576] x [576, 1536] 87 -> 119, [256, 1536] x [1536, 576] 95 -> 122, [100,
+        # 300] x [300, 200] 75 -> 108, [256, 8] x [8, 576] 68 -> 84; rowvec keeps [16, 256] x
+        # [256, 256] 97 / 64, [64, 64] x [64, 64] 86 / 57, [12, 576] x [576, 1536] 64 / 49
+        return (small and (M <= INTEL_ROWS or M * N * K <= INTEL_WORK)) or big
     narrow = N < AVX2_NARROW[0] and M <= AVX2_NARROW[1]
     return (small and (M <= AVX2_ROWS or narrow)) or big
 
 
 def rowvec_rows() -> int:
     """Rows of C up to which rowvec takes a b of any size (contiguous along n) on this host."""
-    return RV_ROWS if host().vector_regs >= 32 else min(RV_ROWS, AVX2_BIG_ROWS)
+    if host().vector_regs < 32:
+        return min(RV_ROWS, AVX2_BIG_ROWS)
+    return RV_ROWS if host().amd else min(RV_ROWS, INTEL_ROWS)
 
 
 def _plan_rowvec(plan, sa, sb, bst, bdt, M, N, K, bs, ast, nbatch, acc, scale, ranked=False):

@@ -42,6 +42,7 @@ ENGINES = ("amx", "dot", "emulated")   # AMX tiles, vdpbf16ps, vdpbf16ps's FMA e
 AMX_NC = 256         # at most this many columns of B in an AMX chunk ...
 AMX_CHUNKS = 8       # ... and rows in blocks small enough for this many chunks
 AMX_A_BYTES = 1 << 20   # at most this many bytes of A tiles in a chunk (they stay in L2)
+AMX_K_SLICE = 32     # a k of more than twice this many tiles (of 32) runs in slices of this many
 _plans: dict = {}
 
 
@@ -243,7 +244,7 @@ class AmxPlan:
     panels, the C blocks, each (addr, n_chunks, cost, tail); the operands' sides (`swapped`:
     b is the A side, a the B side, C turned as stored) and the scratch words of each pack."""
 
-    __slots__ = ("shape", "swapped", "apack", "bpack", "tile", "awords", "bwords")
+    __slots__ = ("shape", "swapped", "apack", "bpack", "tile", "awords", "bwords", "partial")
 
 
 def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
@@ -278,19 +279,23 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
     addr = kernels.get(g.GemmBf16PackKey(dt, amx.BLOCK, _mode(width, K, s_w, s_k), False, True))
     plan.bpack = (addr, groups, npan * amx.BLOCK * Kp, (width, K, s_w, s_k, Kp, npan, per, groups))
     plan.bwords = npan * amx.BLOCK * Kp // 2
+    # a long k in slices, the sums of the earlier ones waiting in a place of their own
+    KS = G if G <= 2 * AMX_K_SLICE else AMX_K_SLICE
+    plan.partial = 0 if KS == G else -(-rows // amx.BLOCK) * amx.BLOCK * \
+        (-(-cols // amx.BLOCK) * amx.BLOCK)
     # chunks: B in column blocks of at most AMX_NC, A's rows in blocks of 32 small enough for
-    # AMX_CHUNKS chunks in all and for their tiles to stay in L2 across the column panels
+    # AMX_CHUNKS chunks in all and for a slice of their tiles to stay in L2
     nnb = -(-cols // AMX_NC)
     NC = -(-(-(-cols // nnb)) // amx.BLOCK) * amx.BLOCK
     nnb = -(-cols // NC)
     mblocks = -(-rows // amx.BLOCK)
-    cap = max(1, AMX_A_BYTES // (2 * Kp * amx.BLOCK))
+    cap = max(1, AMX_A_BYTES // (2 * KS * amx.TILE_K * amx.BLOCK))
     want = -(-AMX_CHUNKS // nnb)
     MC = min(cap, -(-mblocks // want)) * amx.BLOCK
     nmb = -(-rows // MC)
     key = amx.GemmBf16AmxKey(plan.apack is None, plan.swapped, accumulate, ranked)
     plan.tile = (kernels.get(key), nmb * nnb, M * N * K,
-                 (rows, cols, G, s_a, MC, NC, nmb, nnb, int(cols > rows), N))
+                 (rows, cols, G, s_a, MC, NC, nmb, nnb, int(cols > rows), N, KS))
     return plan
 
 
@@ -306,7 +311,9 @@ def _run_amx(ctx, plan: AmxPlan, a, b, out, rargs):
         addr, n, cost, tail = plan.apack
         ctx.launch(addr, n, cost, aside.addr, ap.addr, *tail)
         a_addr = ap.addr
+    part = ctx.empty((plan.partial,), "f32") if plan.partial else None
     addr, n, cost, tail = plan.tile
-    ctx.launch(addr, n, cost, a_addr, bp.addr, out.addr, *tail, *rargs)
-    del ap, bp
+    ctx.launch(addr, n, cost, a_addr, bp.addr, out.addr, *tail,
+               part.addr if part is not None else 0, *rargs)
+    del ap, bp, part
     return out
