@@ -171,6 +171,7 @@ def test_k_slices_keep_the_bits(weight, monkeypatch):
     C0 = rng.standard_normal((40, 48)).astype(np.float32)
     results = []
     for ks in (1 << 20, 2):
+        monkeypatch.setattr(mb, "AMX_LONG_K", ks)
         monkeypatch.setattr(mb, "AMX_K_SLICE", ks)
         mb._plans.clear()
         for th in (1, 2):

@@ -149,6 +149,59 @@ def _gather_row(b, src, base, s_k, kn, dt):
 
 
 # ---------------------------------------------------------------------------------------------
+# the B side's panels from a b with unit stride along n
+
+@register
+@dataclass(frozen=True)
+class GemmBf16PairRowsKey(KernelKey):
+    """B's pair panels (gemm_bf16_pack's layout with width 32 and `tiles`) from b[K, N] with
+    unit stride along n, two rows of b at a time across every panel: b is read in order, row
+    after row. Packed a panel at a time, each pair row of a panel is 64 bytes of a different
+    row of b, so a frozen weight larger than the TLB's reach costs a page walk per row (the
+    head's [49152, 576] bf16 dx: 3.8 GB/s that way).
+
+    Arguments: 0 src, 1 dst, 2 N, 3 K, 4 s_k (b's row stride, elements), 5 pair rows of a
+    panel (G·16), 6 panels, 7 pair rows per chunk. Elements are rounded and flushed as
+    gemm_bf16.load_bits does (the same bits as gemm_bf16_pack's); pair rows past K are
+    zeros."""
+    family = "gemm_bf16_pair_rows"
+    dtype: str    # f32 | bf16
+
+    def ir(self, symbol: str) -> str:
+        return str(_build_pair_rows(self, symbol))
+
+
+def _build_pair_rows(key: GemmBf16PairRowsKey, symbol: str) -> ir.Module:
+    mod, b, args, c0, c1 = u.kernel(symbol)
+    W = 16
+    src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
+    N, K, s_k, prows, npan, per = (u.arg(b, args, i) for i in range(2, 8))
+    iv = ir.VectorType(u.I32, W)
+    pstride = b.mul(prows, u.i64(BLOCK))               # words of a panel
+    with u.Loop(b, c0, c1, 1, "q") as q:
+        r0 = b.mul(q, per)
+        with u.Loop(b, r0, u.smin(b, b.add(r0, per), prows), 1, "kp") as kp:
+            k = b.mul(kp, u.i64(2))
+            in_k = b.icmp_signed("<", k, K)
+            has1 = b.icmp_signed("<", b.add(k, u.i64(1)), K)
+            row0 = b.mul(u.smin(b, k, b.sub(K, u.i64(1))), s_k)
+            row1 = b.select(has1, b.add(row0, s_k), row0)
+            with u.Loop(b, u.i64(0), npan, 1, "p") as p:
+                for v in range(BLOCK // W):
+                    col = b.add(b.mul(p, u.i64(BLOCK)), u.i64(v * W))
+                    m = mask_upto(b, b.select(in_k, b.sub(N, col), u.i64(0)), W)
+                    lo = load_bits(b, src, b.add(row0, col), key.dtype, W, m)
+                    hi = load_bits(b, src, b.add(row1, col), key.dtype, W,
+                                   b.select(has1, m, mask_upto(b, u.i64(0), W)))
+                    word = b.or_(b.zext(lo, iv), b.shl(b.zext(hi, iv), u.const(iv, 16)))
+                    at = b.add(b.mul(p, pstride), b.add(b.mul(kp, u.i64(BLOCK)), u.i64(v * W)))
+                    st = b.store(word, b.gep(dst, [at], source_etype=u.I32))
+                    st.align = 4
+    b.ret_void()
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------
 # the tile kernel
 
 @register

@@ -30,7 +30,7 @@ from ..codegen import kernels
 from ..errors import DTypeError, InvalidArgument, InvalidArgumentType, ShapeMismatch
 from . import elementwise as ew
 from . import matmul as mm
-from .matmul import PF_C_MIN, blocks, pack_groups
+from .matmul import PACK_CHUNK, PF_C_MIN, blocks, pack_groups
 from .raw import RawTensor
 
 MC_PANELS = 48   # at most this many MR panels of A per tile (MC x KC of A, 688 KiB, stays in L2)
@@ -42,7 +42,9 @@ ENGINES = ("amx", "dot", "emulated")   # AMX tiles, vdpbf16ps, vdpbf16ps's FMA e
 AMX_NC = 256         # at most this many columns of B in an AMX chunk ...
 AMX_CHUNKS = 8       # ... and rows in blocks small enough for this many chunks
 AMX_A_BYTES = 1 << 20   # at most this many bytes of A tiles in a chunk (they stay in L2)
-AMX_K_SLICE = 32     # a k of more than twice this many tiles (of 32) runs in slices of this many
+AMX_LONG_K = 64      # a k of more than this many tiles (of 32) runs in slices of ...
+AMX_K_SLICE = 16     # ... this many (a 32-column panel of B, 32 KiB, stays in L1 across A's
+                     # rows; slices at K = 1536 cost 16 %: [256, 1536] x [1536, 576] 758 -> 633)
 _plans: dict = {}
 
 
@@ -275,22 +277,35 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
         s_a = 0
     dt, width, s_w, s_k = bside
     npan = -(-width // amx.BLOCK)
-    per, groups = pack_groups(npan, amx.BLOCK * Kp, 1)
-    addr = kernels.get(g.GemmBf16PackKey(dt, amx.BLOCK, _mode(width, K, s_w, s_k), False, True))
-    plan.bpack = (addr, groups, npan * amx.BLOCK * Kp, (width, K, s_w, s_k, Kp, npan, per, groups))
+    mode = _mode(width, K, s_w, s_k)
+    if mode == "wvec":       # rows of b in order (a frozen weight's dx: no page walk a row)
+        prows = Kp // 2
+        per = max(1, min(prows, PACK_CHUNK // (npan * amx.BLOCK)))
+        addr = kernels.get(amx.GemmBf16PairRowsKey(dt))
+        plan.bpack = (addr, -(-prows // per), npan * amx.BLOCK * Kp,
+                      (width, K, s_k, prows, npan, per))
+    else:
+        per, groups = pack_groups(npan, amx.BLOCK * Kp, 1)
+        addr = kernels.get(g.GemmBf16PackKey(dt, amx.BLOCK, mode, False, True))
+        plan.bpack = (addr, groups, npan * amx.BLOCK * Kp,
+                      (width, K, s_w, s_k, Kp, npan, per, groups))
     plan.bwords = npan * amx.BLOCK * Kp // 2
     # a long k in slices, the sums of the earlier ones waiting in a place of their own
-    KS = G if G <= 2 * AMX_K_SLICE else AMX_K_SLICE
+    KS = G if G <= AMX_LONG_K else AMX_K_SLICE
     plan.partial = 0 if KS == G else -(-rows // amx.BLOCK) * amx.BLOCK * \
         (-(-cols // amx.BLOCK) * amx.BLOCK)
     # chunks: B in column blocks of at most AMX_NC, A's rows in blocks of 32 small enough for
-    # AMX_CHUNKS chunks in all and for a slice of their tiles to stay in L2
-    nnb = -(-cols // AMX_NC)
-    NC = -(-(-(-cols // nnb)) // amx.BLOCK) * amx.BLOCK
-    nnb = -(-cols // NC)
+    # AMX_CHUNKS chunks in all and for a slice of their tiles to stay in L2. A k in slices
+    # streams both operands from memory once per chunk of the other's: two column halves, A's
+    # rows whole (the head's dx [256, 49152] x [49152, 576]: 243 -> 106 MB read, its tiles at
+    # 1 thread 553 -> 737 GFLOP/s with slices of 16 tiles, whose B panel fits L1)
     mblocks = -(-rows // amx.BLOCK)
     cap = max(1, AMX_A_BYTES // (2 * KS * amx.TILE_K * amx.BLOCK))
-    want = -(-AMX_CHUNKS // nnb)
+    long_k = KS < G
+    nnb = min(2, -(-cols // amx.BLOCK)) if long_k else -(-cols // AMX_NC)
+    NC = -(-(-(-cols // nnb)) // amx.BLOCK) * amx.BLOCK
+    nnb = -(-cols // NC)
+    want = 1 if long_k else -(-AMX_CHUNKS // nnb)
     MC = min(cap, -(-mblocks // want)) * amx.BLOCK
     nmb = -(-rows // MC)
     key = amx.GemmBf16AmxKey(plan.apack is None, plan.swapped, accumulate, ranked)
