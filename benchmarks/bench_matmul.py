@@ -1,4 +1,5 @@
-"""GEMM benchmarks: f32 matrix products at transformer shapes, 1 and 2 threads, vs torch.mm.
+"""GEMM benchmarks: f32 matrix products at transformer shapes, 1 and 2 threads, vs torch.mm;
+and the bf16 compute's products (gemm_bf16) vs torch.mm in bf16.
 
     python -m benchmarks.bench_matmul [--quick]
 
@@ -81,10 +82,66 @@ def _one(threads: int, quick: bool, M, K, N, tb) -> list[dict]:
     return [r]
 
 
+GROUP_BF16 = "matmul bf16"
+# the bf16 compute's products (LoRA step, SmolLM2 shapes, seq 256): (M, K, N, b = Wᵀ of a bf16
+# weight [N, K]?); without: b is a bf16 [K, N] (the weight of a dx product)
+BF16_CASES = [(256, 576, 1536, True), (256, 1536, 576, False), (256, 576, 49152, True),
+              (256, 49152, 576, False), (1024, 1024, 1024, True)]
+BF16_QUICK = {(256, 576, 1536, True), (256, 1536, 576, False)}
+
+
+def _one_bf16(threads: int, quick: bool, M, K, N, tb) -> list[dict]:
+    """gemm_bf16 (f32 a rounded to bf16 as it is packed, bf16 b, f32 out) against torch.mm of
+    the same operands in bf16 (a converted in the timed statement too; oneDNN's AMX or
+    AVX-512 BF16 kernels where the CPU has them, a bf16 result)."""
+    import fucina as fu
+    from fucina.exec.matmul_bf16 import gemm_bf16, host_engine
+
+    torch = c.torch()
+    rng = np.random.default_rng(M + K + N)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    W = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
+    ctx = fu.ExecContext(threads=threads)
+    try:
+        a = ctx.from_numpy(A)
+        w = ctx.from_numpy(W, dtype="bf16")
+        b = w.permute((1, 0)) if tb else w
+        out = ctx.empty((M, N))
+        env = {"gemm_bf16": gemm_bf16, "ctx": ctx, "a": a, "b": b, "out": out}
+        stmts = {"fucina": "gemm_bf16(ctx, a, b, out=out)"}
+        gemm_bf16(ctx, a, b, out=out)
+        got = out.to_numpy()
+        wb = w.to_numpy().astype(np.float64)
+        want = A.astype(np.float64) @ (wb.T if tb else wb)
+        if np.abs(got - want).max() > 2.0 ** -7 * K * np.abs(A).max() * np.abs(W).max():
+            raise AssertionError(f"bf16 {_what(M, K, N, tb)}: wrong result")
+        if torch is not None:
+            tw = torch.from_numpy(W).to(torch.bfloat16)
+            env.update(torch=torch, ta=torch.from_numpy(A), tb=tw.t() if tb else tw,
+                       tc=torch.empty(M, N, dtype=torch.bfloat16))
+            stmts["torch"] = "torch.mm(ta.to(torch.bfloat16), tb, out=tc)"
+        t, load = c.measured(stmts, env=env, threads=threads, quick=quick,
+                             repeats=3 if quick else 9, block_s=0.05 if quick else 0.15)
+        env.clear()
+        del a, b, w, out
+    finally:
+        ctx.close()
+    flops = 2.0 * M * K * N
+    note = f"Fucina {flops / t['fucina'].median / 1e9:.1f} GFLOP/s on {host_engine()[0]}"
+    if "torch" in t:
+        note += f", torch {flops / t['torch'].median / 1e9:.1f} GFLOP/s (bf16 result)"
+    r = c.vs_torch(GROUP_BF16, _what(M, K, N, tb), threads, t["fucina"], t.get("torch"), load,
+                   target="≥ 90 % of PyTorch", at_least=0.90, note=note)
+    r["gflops"] = flops / t["fucina"].median / 1e9
+    return [r]
+
+
 def rows(quick: bool = False) -> list[dict]:
     shapes = [case[:4] for case in CASES if not quick or case[:4] in QUICK]
-    return c.each_thread_count(quick, *((GROUP, _what(*s), lambda k, q, s=s: _one(k, q, *s))
-                                        for s in shapes))
+    bf16 = [s for s in BF16_CASES if not quick or s in BF16_QUICK]
+    return c.each_thread_count(
+        quick, *((GROUP, _what(*s), lambda k, q, s=s: _one(k, q, *s)) for s in shapes),
+        *((GROUP_BF16, _what(*s), lambda k, q, s=s: _one_bf16(k, q, *s)) for s in bf16))
 
 
 if __name__ == "__main__":

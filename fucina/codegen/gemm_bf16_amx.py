@@ -39,13 +39,14 @@ from llvmlite import ir
 
 from . import irutil as u
 from .gemm import add_rank, by_height, mask_upto, rank_block, row_masks, transpose
-from .gemm_bf16 import _load_bit, load_bits
+from .gemm_bf16 import _load_bit, _pack_kvec, _pack_wvec, load_bits
 from .kernels import KernelKey, register
 from .target import host
 
 TILE_K = 32       # k of one tile product (16 pairs)
 BLOCK = 32        # rows and columns of C a micro-kernel computes: four 16 x 16 f32 tiles
 RANK_ROWS = 8     # rows of C a rank term's chains cover at once (16 zmm accumulators)
+SLICE_TILES = 16  # k tiles of a slice whose B panels a kernel packs itself (32 KiB on the stack)
 # tile registers: 0-3 the C tiles (rows 0-15 / 16-31 of A x columns 0-15 / 16-31 of B),
 # 4-5 the two A tiles, 6-7 the two B tiles; every one 16 rows x 64 bytes
 _C, _A, _B = (0, 1, 2, 3), (4, 5), (6, 7)
@@ -215,13 +216,18 @@ class GemmBf16AmxKey(KernelKey):
     in the chunk order, 12 ldc (C's row length), 13 KS (k tiles a slice), 14 P: the sums of
     the slices before the last wait there, [M, N] padded to 32 columns (unused with one
     slice). C[i, j] (row i of A, column j of B) is stored at i·ldc + j, or at j·ldc + i when
-    transposed. accumulate: C's value plus the product, one rounding. ranked: the rank_add
-    block (gemm.rank_block) from 15, in C's own orientation."""
+    transposed. accumulate: C's value plus the product, one rounding. b_mode: argument 1 is b
+    itself, 15 K, 16 s_bk, 17 s_bn its element strides; each 32-column panel of a slice is
+    packed into a stack buffer before A's rows run over it (the streaming products: a long k
+    whose chunks each take a panel once). ranked: the rank_add block (gemm.rank_block) from
+    15 (18 with b_mode), in C's own orientation."""
     family = "gemm_bf16_amx"
     direct: bool
     transposed: bool = False
     accumulate: bool = False
     ranked: bool = False
+    b_mode: str = ""       # "": B packed by gemm_bf16_pair_rows / gemm_bf16_pack; wvec | kvec:
+    b_dtype: str = "bf16"  # b itself (f32 or bf16), packed slice by slice (SLICE_TILES at most)
 
     def ir(self, symbol: str) -> str:
         return str(_build_amx(self, symbol))
@@ -236,7 +242,12 @@ def _build_amx(key: GemmBf16AmxKey, symbol: str) -> ir.Module:
     P = u.arg_ptr(b, args, 14)
     ldp = b.mul(b.sdiv(b.add(N, u.i64(BLOCK - 1)), u.i64(BLOCK)), u.i64(BLOCK))
     p_bytes = b.mul(ldp, u.i64(4))
-    rk = rank_block(b, args, 15) if key.ranked else None
+    if key.b_mode:           # B is b itself: its panels packed slice by slice on the stack
+        Kb, s_bk, s_bn = (u.arg(b, args, i) for i in range(15, 18))
+        bstack = u.entry_alloca(b, ir.ArrayType(u.I32, SLICE_TILES * 16 * BLOCK), "bpanel")
+        bstack.align = 64
+        bstack.type = u.PTR
+    rk = rank_block(b, args, 18 if key.b_mode else 15) if key.ranked else None
     tload, tstore, tzero, tdp = _tile_ops(b)
     _config(b)
     bufs = []
@@ -266,9 +277,10 @@ def _build_amx(key: GemmBf16AmxKey, symbol: str) -> ir.Module:
             g1 = u.smin(b, b.add(g0, KS), G)
             first = b.icmp_signed("==", g0, u.i64(0))
             last = b.icmp_signed(">=", g1, G)
-            def block(i0, j0):
-                """The 32 x 32 block of C at rows i0 of A, columns j0 of B, for this slice."""
-                panel = b.mul(b.sdiv(j0, u.i64(BLOCK)), b.mul(pairs, u.i64(BLOCK)))
+            def block(i0, j0, bbase, panel):
+                """The 32 x 32 block of C at rows i0 of A, columns j0 of B, for this slice: B's
+                panel at word `panel` of bbase, its tile rows numbered from the slice's
+                start (packed in place) or from k = 0 (the packed operand)."""
 
                 def a_tile(h, g):
                     rows = b.add(i0, u.i64(16 * h))
@@ -280,8 +292,10 @@ def _build_amx(key: GemmBf16AmxKey, symbol: str) -> ir.Module:
                     return b.gep(A, [at], source_etype=u.I16)
 
                 def b_tile(h, g):
+                    if key.b_mode:
+                        g = b.sub(g, g0)
                     at = b.add(panel, b.add(b.mul(g, u.i64(16 * BLOCK)), u.i64(16 * h)))
-                    return b.gep(Bp, [at], source_etype=u.I32)
+                    return b.gep(bbase, [at], source_etype=u.I32)
 
                 def part_tile(t):
                     at = b.add(b.mul(b.add(i0, u.i64(16 * (t // 2))), ldp),
@@ -323,11 +337,40 @@ def _build_amx(key: GemmBf16AmxKey, symbol: str) -> ir.Module:
             # 1536] with the weight in place 592 -> 710 GFLOP/s, the head [256, 576] x [576,
             # 49152] 400 -> 344; the others within 6 %)
             with u.Loop(b, col0, col1, BLOCK, "j0") as j0:
+                if key.b_mode:
+                    _pack_slice(b, key, Bp, bstack, g0, g1, j0, Kb, N, s_bk, s_bn)
+                    bbase, panel = bstack, u.i64(0)
+                else:
+                    bbase = Bp
+                    panel = b.mul(b.sdiv(j0, u.i64(BLOCK)), b.mul(pairs, u.i64(BLOCK)))
                 with u.Loop(b, row0, row1, BLOCK, "i0") as i0:
-                    block(i0, j0)
+                    block(i0, j0, bbase, panel)
     b.call(_fn(b, "llvm.x86.tilerelease", []), [])
     b.ret_void()
     return mod
+
+
+def _pack_slice(b, key, src, dst, g0, g1, j0, K, N, s_bk, s_bn):
+    """The pair rows of tiles g0 .. g1 of b's 32-column panel at j0 into dst, as
+    gemm_bf16_pack lays out a panel (the same loops: the same bits), zero rows past K."""
+    W = 16
+    k0 = b.mul(g0, u.i64(TILE_K))
+    kcl = b.sub(u.smin(b, b.mul(g1, u.i64(TILE_K)), K), k0)
+    kpl = b.sdiv(b.add(kcl, u.i64(1)), u.i64(2))
+    sbase = b.add(b.mul(k0, s_bk), b.mul(j0, s_bn))
+    wvalid = u.smin(b, u.i64(BLOCK), b.sub(N, j0))
+    if key.b_mode == "wvec":
+        _pack_wvec(b, src, dst, sbase, u.i64(0), kpl, kcl, wvalid, s_bk, BLOCK, key.b_dtype, W,
+                   False)
+    else:
+        _pack_kvec(b, src, dst, sbase, u.i64(0), kcl, wvalid, s_bn, BLOCK, key.b_dtype, W,
+                   False)
+    zero = u.const(ir.VectorType(u.I32, W), 0)
+    with u.Loop(b, kpl, b.mul(b.sub(g1, g0), u.i64(TILE_K // 2)), 1, "zp") as kp:
+        for v in range(BLOCK // W):
+            st = b.store(zero, b.gep(dst, [b.add(b.mul(kp, u.i64(BLOCK)), u.i64(v * W))],
+                                     source_etype=u.I32))
+            st.align = 64
 
 
 def _epilogue(b, key, bufs, R, i0, j0, M, N, C, ldc, rk, racc, last_row):

@@ -246,7 +246,8 @@ class AmxPlan:
     panels, the C blocks, each (addr, n_chunks, cost, tail); the operands' sides (`swapped`:
     b is the A side, a the B side, C turned as stored) and the scratch words of each pack."""
 
-    __slots__ = ("shape", "swapped", "apack", "bpack", "tile", "awords", "bwords", "partial")
+    __slots__ = ("shape", "swapped", "apack", "bpack", "tile", "awords", "bwords", "partial",
+                 "btail")
 
 
 def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
@@ -278,7 +279,15 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
     dt, width, s_w, s_k = bside
     npan = -(-width // amx.BLOCK)
     mode = _mode(width, K, s_w, s_k)
-    if mode == "wvec":       # rows of b in order (a frozen weight's dx: no page walk a row)
+    # a long k in slices, the sums of the earlier ones waiting in a place of their own
+    KS = G if G <= AMX_LONG_K else AMX_K_SLICE
+    long_k = KS < G
+    # streaming (a long k): the tile kernel packs each panel of a slice itself, once
+    inline = long_k and mode != "any" and KS <= amx.SLICE_TILES
+    plan.btail = (K, s_k, s_w) if inline else ()
+    if inline:
+        plan.bpack, plan.bwords = None, 0
+    elif mode == "wvec":     # rows of b in order (a frozen weight's dx: no page walk a row)
         prows = Kp // 2
         per = max(1, min(prows, PACK_CHUNK // (npan * amx.BLOCK)))
         addr = kernels.get(amx.GemmBf16PairRowsKey(dt))
@@ -289,9 +298,8 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
         addr = kernels.get(g.GemmBf16PackKey(dt, amx.BLOCK, mode, False, True))
         plan.bpack = (addr, groups, npan * amx.BLOCK * Kp,
                       (width, K, s_w, s_k, Kp, npan, per, groups))
-    plan.bwords = npan * amx.BLOCK * Kp // 2
-    # a long k in slices, the sums of the earlier ones waiting in a place of their own
-    KS = G if G <= AMX_LONG_K else AMX_K_SLICE
+    if not inline:
+        plan.bwords = npan * amx.BLOCK * Kp // 2
     plan.partial = 0 if KS == G else -(-rows // amx.BLOCK) * amx.BLOCK * \
         (-(-cols // amx.BLOCK) * amx.BLOCK)
     # chunks: B in column blocks of at most AMX_NC, A's rows in blocks of 32 small enough for
@@ -301,14 +309,14 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
     # 1 thread 553 -> 737 GFLOP/s with slices of 16 tiles, whose B panel fits L1)
     mblocks = -(-rows // amx.BLOCK)
     cap = max(1, AMX_A_BYTES // (2 * KS * amx.TILE_K * amx.BLOCK))
-    long_k = KS < G
     nnb = min(2, -(-cols // amx.BLOCK)) if long_k else -(-cols // AMX_NC)
     NC = -(-(-(-cols // nnb)) // amx.BLOCK) * amx.BLOCK
     nnb = -(-cols // NC)
     want = 1 if long_k else -(-AMX_CHUNKS // nnb)
     MC = min(cap, -(-mblocks // want)) * amx.BLOCK
     nmb = -(-rows // MC)
-    key = amx.GemmBf16AmxKey(plan.apack is None, plan.swapped, accumulate, ranked)
+    key = amx.GemmBf16AmxKey(plan.apack is None, plan.swapped, accumulate, ranked,
+                             mode if inline else "", dt)
     plan.tile = (kernels.get(key), nmb * nnb, M * N * K,
                  (rows, cols, G, s_a, MC, NC, nmb, nnb, int(cols > rows), N, KS))
     return plan
@@ -316,9 +324,13 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
 
 def _run_amx(ctx, plan: AmxPlan, a, b, out, rargs):
     aside, bside = (b, a) if plan.swapped else (a, b)
-    bp = ctx.empty((plan.bwords,), "f32")
-    addr, n, cost, tail = plan.bpack
-    ctx.launch(addr, n, cost, bside.addr, bp.addr, *tail)
+    if plan.bpack is None:
+        bp, b_addr = None, bside.addr
+    else:
+        bp = ctx.empty((plan.bwords,), "f32")
+        addr, n, cost, tail = plan.bpack
+        ctx.launch(addr, n, cost, bside.addr, bp.addr, *tail)
+        b_addr = bp.addr
     if plan.apack is None:
         ap, a_addr = None, aside.addr
     else:
@@ -328,7 +340,7 @@ def _run_amx(ctx, plan: AmxPlan, a, b, out, rargs):
         a_addr = ap.addr
     part = ctx.empty((plan.partial,), "f32") if plan.partial else None
     addr, n, cost, tail = plan.tile
-    ctx.launch(addr, n, cost, a_addr, bp.addr, out.addr, *tail,
-               part.addr if part is not None else 0, *rargs)
+    ctx.launch(addr, n, cost, a_addr, b_addr, out.addr, *tail,
+               part.addr if part is not None else 0, *plan.btail, *rargs)
     del ap, bp, part
     return out
