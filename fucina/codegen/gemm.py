@@ -150,6 +150,17 @@ def by_height(b, mvalid, R, heights, micro):
             pick(0)
 
 
+def chunk_block(b, t, mfast, nmb, nnb, MC, NC, M, N):
+    """(row0, row1, col0, col1) of the C block of chunk t in a grid of nmb M blocks of MC
+    rows by nnb N blocks of NC columns, M blocks fastest when mfast != 0 (else N blocks)."""
+    by_m = b.icmp_signed("!=", mfast, u.i64(0))
+    mb = b.select(by_m, b.srem(t, nmb), b.sdiv(t, nnb))
+    nb = b.select(by_m, b.sdiv(t, nmb), b.srem(t, nnb))
+    row0 = b.mul(mb, MC)
+    col0 = b.mul(nb, NC)
+    return row0, u.smin(b, b.add(row0, MC), M), col0, u.smin(b, b.add(col0, NC), N)
+
+
 def prefetch_next_tile(b, ptr, off, N, R, NRc):
     """Prefetch for writing the R x NRc block of C (row length N) at element `off`: the next
     micro-tile's rows, so that its stores (or the reload of a partial sum) do not miss every
@@ -615,15 +626,9 @@ def emit_tile(symbol: str, R: int, V: int, U: int, b_panel, pf_c: bool = False,
     with u.Loop(b, c0, c1, 1, "c") as c:
         # consecutive chunks share the block of the bigger operand (it streams from memory
         # once; the smaller one is re-read from cache): N blocks fastest, or M blocks
-        by_m = b.icmp_signed("!=", mfast, u.i64(0))
         bt = b.sdiv(c, b.mul(nmb, nnb))
-        t = b.srem(c, b.mul(nmb, nnb))
-        mb = b.select(by_m, b.srem(t, nmb), b.sdiv(t, nnb))
-        nb = b.select(by_m, b.sdiv(t, nmb), b.srem(t, nnb))
-        row0 = b.mul(mb, MC)
-        row1 = u.smin(b, b.add(row0, MC), M)
-        col0 = b.mul(nb, NC)
-        col1 = u.smin(b, b.add(col0, NC), N)
+        row0, row1, col0, col1 = chunk_block(b, b.srem(c, b.mul(nmb, nnb)), mfast, nmb, nnb,
+                                             MC, NC, M, N)
         abat = b.mul(bt, sAp)
         cbat = b.mul(bt, b.mul(M, N))
         with u.Loop(b, u.i64(0), K, kc, "k0") as k0:

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import (add_rank, by_height, mask_upto, zero_mask, lanes, next_tile_offset,
-                   prefetch_next_tile, rank_block, row_masks, transpose)
+from .gemm import (add_rank, by_height, chunk_block, lanes, mask_upto, next_tile_offset,
+                   prefetch_next_tile, rank_block, row_masks, transpose, zero_mask)
 from .kernels import KernelKey, register
 from .target import host
 
@@ -480,13 +480,7 @@ def _build_tile(key: GemmBf16TileKey, symbol: str) -> ir.Module:
     two = u.i64(2)
 
     with u.Loop(b, c0, c1, 1, "c") as c:
-        by_m = b.icmp_signed("!=", mfast, u.i64(0))
-        mb = b.select(by_m, b.srem(c, nmb), b.sdiv(c, nnb))
-        nb = b.select(by_m, b.sdiv(c, nmb), b.srem(c, nnb))
-        row0 = b.mul(mb, MC)
-        row1 = u.smin(b, b.add(row0, MC), M)
-        col0 = b.mul(nb, NC)
-        col1 = u.smin(b, b.add(col0, NC), N)
+        row0, row1, col0, col1 = chunk_block(b, c, mfast, nmb, nnb, MC, NC, M, N)
         with u.Loop(b, u.i64(0), K, kc, "k0") as k0:
             kcl = u.smin(b, kc, b.sub(K, k0))
             kpl = b.sdiv(b.add(kcl, u.i64(1)), two)

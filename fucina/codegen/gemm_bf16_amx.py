@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import add_rank, by_height, mask_upto, rank_block, row_masks, transpose
+from .gemm import (add_rank, by_height, chunk_block, mask_upto, rank_block, row_masks,
+                   transpose)
 from .gemm_bf16 import _load_bit, _pack_kvec, _pack_wvec, load_bits
 from .kernels import KernelKey, register
 from .target import host
@@ -266,13 +267,7 @@ def _build_amx(key: GemmBf16AmxKey, symbol: str) -> ir.Module:
     last_row = b.sub(c_rows, u.i64(1))
 
     with u.Loop(b, c0, c1, 1, "c") as c:
-        by_m = b.icmp_signed("!=", mfast, u.i64(0))
-        mb = b.select(by_m, b.srem(c, nmb), b.sdiv(c, nnb))
-        nb = b.select(by_m, b.sdiv(c, nmb), b.srem(c, nnb))
-        row0 = b.mul(mb, MC)
-        row1 = u.smin(b, b.add(row0, MC), M)
-        col0 = b.mul(nb, NC)
-        col1 = u.smin(b, b.add(col0, NC), N)
+        row0, row1, col0, col1 = chunk_block(b, c, mfast, nmb, nnb, MC, NC, M, N)
         with u.Loop(b, u.i64(0), G, KS, "s") as g0:
             g1 = u.smin(b, b.add(g0, KS), G)
             first = b.icmp_signed("==", g0, u.i64(0))

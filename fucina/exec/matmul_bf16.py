@@ -322,22 +322,20 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
     return plan
 
 
+def _packed(ctx, pack, words, src):
+    """(scratch, address) of one side's tiles: src itself when its plan has no pack launch."""
+    if pack is None:
+        return None, src.addr
+    s = ctx.empty((words,), "f32")
+    addr, n, cost, tail = pack
+    ctx.launch(addr, n, cost, src.addr, s.addr, *tail)
+    return s, s.addr
+
+
 def _run_amx(ctx, plan: AmxPlan, a, b, out, rargs):
     aside, bside = (b, a) if plan.swapped else (a, b)
-    if plan.bpack is None:
-        bp, b_addr = None, bside.addr
-    else:
-        bp = ctx.empty((plan.bwords,), "f32")
-        addr, n, cost, tail = plan.bpack
-        ctx.launch(addr, n, cost, bside.addr, bp.addr, *tail)
-        b_addr = bp.addr
-    if plan.apack is None:
-        ap, a_addr = None, aside.addr
-    else:
-        ap = ctx.empty((plan.awords,), "f32")
-        addr, n, cost, tail = plan.apack
-        ctx.launch(addr, n, cost, aside.addr, ap.addr, *tail)
-        a_addr = ap.addr
+    bp, b_addr = _packed(ctx, plan.bpack, plan.bwords, bside)
+    ap, a_addr = _packed(ctx, plan.apack, plan.awords, aside)
     part = ctx.empty((plan.partial,), "f32") if plan.partial else None
     addr, n, cost, tail = plan.tile
     ctx.launch(addr, n, cost, a_addr, b_addr, out.addr, *tail,
