@@ -161,8 +161,9 @@ def test_many_chunks_and_rank_term_across_threads():
 def test_k_slices_keep_the_bits(weight, monkeypatch):
     """A long k in slices of KS tiles (the head's dx), the sums of the earlier slices waiting
     in a place of their own, each slice's B panels packed by the tile kernel itself (kvec: a
-    transposed f32 a; wvec: a row-major b): the bits of one pass — with C added to and the rank term — at 1
-    and 2 threads, the model's (slices of 2 tiles over 5: a short last slice)."""
+    transposed f32 a; wvec: a row-major b): the bits of one pass — with C added to and the
+    rank term — at 1 and 2 threads, the model's (slices of 2 tiles over 5: a short last
+    slice)."""
     rng = np.random.default_rng(10)
     K = 160 if weight else 150          # the weight read in place (K % 32 == 0), or packed
     A = rng.standard_normal((40, K)).astype(np.float32)

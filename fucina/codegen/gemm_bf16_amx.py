@@ -2,9 +2,9 @@
 tile rate (one tdpbf16ps is 16 x 16 x 32 multiply-adds, measured ~45x the f32 FMA rate of the
 same core), the operands rounded to bf16 exactly as fucina.codegen.gemm_bf16 rounds them.
 
-What tdpbf16ps computes (SDM pseudo-code, checked bit for bit on this project's host: every
-one of 768,000 random results, 1 to 16 pairs a tile, tests/test_gemm_bf16_amx.py keeps the
-model): for each C element and each call, two f32 chains from +0 — one over the even elements
+What tdpbf16ps computes (SDM pseudo-code, checked bit for bit on an Intel Xeon with AMX:
+every one of 768,000 random results, 1 to 16 pairs a tile; tests/test_gemm_bf16_amx.py keeps
+the model): for each C element and each call, two f32 chains from +0 — one over the even elements
 of its 16 k pairs, one over the odd — each step an FMA of an exact bf16 product rounded once
 to nearest even, then C + (even + odd), each sum rounded once; results below 2^-126 flushed to
 a zero of their sign, bf16 denormal inputs read as zero, MXCSR not consulted. Its bits are not
@@ -17,9 +17,11 @@ Layouts (words are bf16 pairs, elements bf16):
                   a run of G = ceil(K / 32) tiles of 16 rows x 32 k (1 KiB, row r's k
                   contiguous); element (p, g, r, t) at ((p·G + g)·16 + r)·32 + t, zeros past M
                   and past K.
-  B side          gemm_bf16_pack with width 32 and `tiles`: panels of 32 columns, pair row kp of
-                  a panel = 32 words (128 bytes), pair rows padded with zeros to G·16. Its
-                  columns 0-15 and 16-31 are two B tiles of 16 pair rows at a 128-byte stride.
+  B side          gemm_bf16_pack's layout with width 32 and `tiles` (gemm_bf16_pair_rows
+                  writes it from a row-major b): panels of 32 columns, pair row kp of a panel
+                  = 32 words (128 bytes), pair rows padded with zeros to G·16. Its columns
+                  0-15 and 16-31 are two B tiles of 16 pair rows at a 128-byte stride. A long
+                  k's tile kernel packs each slice of a panel itself, on its stack (b_mode).
   direct A        a bf16 [M, K] whose k is unit stride, K % 32 == 0, M % 16 == 0 (a frozen
                   weight as it is held: no copy): tile (rows i.., group g) read in place.
 The tile kernel: one chunk = an (MC-row, NC-column) block of C; for each slice of k (a long k
@@ -27,9 +29,10 @@ in slices of KS tiles: the A and B tiles of a slice stay in L2 across the chunk'
 each 32 rows of A (16 for a last panel of at most 16 rows), for each 32-column panel of B,
 four C tiles from zero — or from the previous slice's sums, stored exactly — over the slice's
 k in order (A0·B0, A0·B1, A1·B0, A1·B1 a group), then after the last slice the tiles through a
-stack buffer to C — transposed when the kernel computes Cᵀ = Bᵀ·Aᵀ (`transposed`: the exec layer swaps the
-operands so that a bf16 weight is the direct A side) — adding C's value (accumulate) and a
-LoRA rank term (ranked: gemm.add_rank, eight rows at a time) as the vdpbf16ps kernel does.
+stack buffer to C — transposed when the kernel computes Cᵀ = Bᵀ·Aᵀ (`transposed`: the exec
+layer swaps the operands so that a bf16 weight is the direct A side) — adding C's value
+(accumulate) and a LoRA rank term (ranked: gemm.add_rank, eight rows at a time) as the
+vdpbf16ps kernel does.
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ rank_add: a bf16 projection with its adapter in one GEMM, forward and dx).
 Where the CPU has AMX (Sapphire Rapids and later) and the OS grants this process its tile
 state, the products run on tiles instead (fucina/codegen/gemm_bf16_amx.py): the same
 roundings of the operands, f32 sums grouped by tile (32 k a group) — bits of their own, the
-same at any thread count. Three launches: A's tiles, B's pair panels, then the C blocks; a
-bf16 weight with unit stride along k (the forward x · wᵀ of a frozen [out, in] weight) is
+same at any thread count. Three launches: A's tiles, B's pair panels, then the C blocks (a
+k longer than 2048 runs in slices, the tile kernel packing each slice's panels of B itself);
+a bf16 weight with unit stride along k (the forward x · wᵀ of a frozen [out, in] weight) is
 read in place as the A side of Cᵀ = w · xᵀ, its block turned as it is stored.
 """
 from __future__ import annotations
@@ -243,7 +244,8 @@ def _make_plan(a, b, native: bool, accumulate: bool = False, ranked: bool = Fals
 
 class AmxPlan:
     """The launches of one layout pair on tiles: A's tiles (None: read in place), B's pair
-    panels, the C blocks, each (addr, n_chunks, cost, tail); the operands' sides (`swapped`:
+    panels (None: packed by the tile kernel, whose extra arguments are `btail`), the C
+    blocks, each (addr, n_chunks, cost, tail); the operands' sides (`swapped`:
     b is the A side, a the B side, C turned as stored) and the scratch words of each pack."""
 
     __slots__ = ("shape", "swapped", "apack", "bpack", "tile", "awords", "bwords", "partial",
