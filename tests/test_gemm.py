@@ -47,6 +47,13 @@ def _data(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
+def _rowvec_anywhere(monkeypatch):
+    """rowvec for every small-b shape whatever the host (with 16 registers or on Intel
+    _rowvec_pays keeps it only for some)."""
+    monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)
+    monkeypatch.setattr(mm, "INTEL_ROWS", 1 << 30)
+
+
 def _route(monkeypatch, direct):
     """Every shape through the tile kernels: pack + tiles, or (direct) b read in place where
     it applies."""
@@ -213,9 +220,8 @@ def test_rank_add_is_the_separate_pass(route, r, monkeypatch):
 
     if route != "rowvec":
         _route(monkeypatch, route == "direct-b")
-    else:   # with 16 registers or on Intel rowvec keeps only some small-b shapes (_rowvec_pays)
-        monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)
-        monkeypatch.setattr(mm, "INTEL_ROWS", 1 << 30)
+    else:
+        _rowvec_anywhere(monkeypatch)
     monkeypatch.setattr(mm, "K_SLICE", 2 * g.KC)
     for M, K, N, acc in cases:
         for ta in (False, True):
@@ -727,8 +733,7 @@ def test_rowvec_order_keeps_the_bits(monkeypatch):
     bits of the row-groups-first order, plain and accumulating, at 1 and 2 threads."""
     rng = np.random.default_rng(13)
     A, B, C0 = _data(rng, 301, 8), _data(rng, 8, 333), _data(rng, 301, 333)
-    monkeypatch.setattr(mm, "AVX2_ROWS", 1 << 30)   # rowvec with 16 registers too ...
-    monkeypatch.setattr(mm, "INTEL_ROWS", 1 << 30)  # ... and on Intel
+    _rowvec_anywhere(monkeypatch)
 
     run = _plain_and_accumulated(A, B, C0, True)
     outs = []

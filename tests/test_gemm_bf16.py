@@ -126,22 +126,30 @@ def _step(acc: float, p: float) -> float:
     return sign * (float(r) if r < Fraction(2) ** 128 else float("inf"))
 
 
-def model(A, B):
-    """c = the dot instruction's sums: for each k pair in order, the odd product, then the even
-    one; inputs rounded/flushed as packed."""
+def each_sum(A, B, chain):
+    """c[i, j] = chain(products) for the exact products of row i of a and column j of b, both
+    rounded / flushed as packed: the element-by-element models of the bf16 GEMM's engines."""
     a, b = bf16(A).astype(np.float64), bf16(B).astype(np.float64)
-    M, K = a.shape
-    N = b.shape[1]
-    c = np.zeros((M, N), np.float32)
-    for i in range(M):
-        for j in range(N):
-            acc = 0.0
-            for k in range(0, K, 2):
-                if k + 1 < K:
-                    acc = _step(acc, a[i, k + 1] * b[k + 1, j])
-                acc = _step(acc, a[i, k] * b[k, j])
-            c[i, j] = acc
+    c = np.zeros((a.shape[0], b.shape[1]), np.float32)
+    for i in range(c.shape[0]):
+        for j in range(c.shape[1]):
+            c[i, j] = chain(a[i] * b[:, j])
     return c
+
+
+def _pairs_chain(p):
+    """vdpbf16ps's chain: for each k pair in order, the odd product, then the even one."""
+    acc = 0.0
+    for k in range(0, len(p), 2):
+        if k + 1 < len(p):
+            acc = _step(acc, p[k + 1])
+        acc = _step(acc, p[k])
+    return acc
+
+
+def model(A, B):
+    """c = the dot instruction's sums (_pairs_chain); inputs rounded/flushed as packed."""
+    return each_sum(A, B, _pairs_chain)
 
 
 def _edge_cases():

@@ -12,32 +12,30 @@ import fucina as fu
 from conftest import assert_bitwise
 from fucina.exec import matmul_bf16 as mb
 from fucina.exec.matmul_bf16 import gemm_bf16
-from test_gemm_bf16 import _edge_cases, _near_tiny, _step, bf16, operand
+from test_gemm_bf16 import _edge_cases, _near_tiny, _step, bf16, each_sum, operand
 
 pytestmark = pytest.mark.skipif(not mb.amx_granted(), reason="no AMX bf16 tiles on this host")
 
 
-def model(A, B):
+def _tiles_chain(p):
     """tdpbf16ps's sums (SDM pseudo-code, the probe of the codegen docstring): for each group
-    of 32 k from 0 (zeros past K), e = the even elements' products, o = the odd ones', each a
-    chain of _step from +0 in k order; c = _step(c, _step(e, o))."""
-    a, b = bf16(A).astype(np.float64), bf16(B).astype(np.float64)
-    M, K = a.shape
-    N = b.shape[1]
-    c = np.zeros((M, N), np.float32)
-    for i in range(M):
-        for j in range(N):
-            acc = 0.0
-            for g in range(0, K, 32):
-                e = o = 0.0
-                for k in range(g, min(g + 32, K)):
-                    if k % 2:
-                        o = _step(o, a[i, k] * b[k, j])
-                    else:
-                        e = _step(e, a[i, k] * b[k, j])
-                acc = _step(acc, _step(e, o))
-            c[i, j] = acc
-    return c
+    of 32 k from 0, e = the even elements' products, o = the odd ones', each a chain of _step
+    from +0 in k order; c = _step(c, _step(e, o))."""
+    acc = 0.0
+    for g in range(0, len(p), 32):
+        e = o = 0.0
+        for k in range(g, min(g + 32, len(p))):
+            if k % 2:
+                o = _step(o, p[k])
+            else:
+                e = _step(e, p[k])
+        acc = _step(acc, _step(e, o))
+    return acc
+
+
+def model(A, B):
+    """c = the tiles' sums (_tiles_chain); inputs rounded/flushed as packed."""
+    return each_sum(A, B, _tiles_chain)
 
 
 def model_f32(A, B):

@@ -243,13 +243,20 @@ def _build_pack(key: GemmBf16PackKey, symbol: str) -> ir.Module:
                 _pack_any(b, src, dst, sbase, panel, kpl, kcl, wvalid, s_w, s_k, Wp, dt,
                           key.wide)
             if key.tiles:
-                with u.Loop(b, kpl, rows_pad, 1, "zp") as kp:
-                    for v in range(-(-Wp // W)):
-                        sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
-                        _put(b, dst, b.add(b.add(panel, b.mul(kp, u.i64(Wp))), u.i64(v * W)),
-                             u.const(_iv(W), 0), Wp, False, sm)
+                zero_rows(b, dst, panel, kpl, rows_pad, Wp)
     b.ret_void()
     return mod
+
+
+def zero_rows(b, dst, panel, kp0, kp1, Wp):
+    """Pair rows kp0 .. kp1 - 1 of the Wp-word panel at word `panel` of dst set to zero words
+    (the padding of AMX B tiles past K)."""
+    W = lanes()
+    with u.Loop(b, kp0, kp1, 1, "zp") as kp:
+        for v in range(-(-Wp // W)):
+            sm = None if Wp - v * W >= W else u.tail_mask(b, u.i64(Wp - v * W), W)
+            _put(b, dst, b.add(b.add(panel, b.mul(kp, u.i64(Wp))), u.i64(v * W)),
+                 u.const(_iv(W), 0), Wp, False, sm)
 
 
 def _put(b, dst, at, word, Wp, wide, mask=None):

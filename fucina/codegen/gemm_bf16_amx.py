@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from llvmlite import ir
 
 from . import irutil as u
-from .gemm import (add_rank, by_height, chunk_block, mask_upto, rank_block, row_masks,
-                   transpose)
-from .gemm_bf16 import _load_bit, _pack_kvec, _pack_wvec, load_bits
+from .gemm import (add_rank, by_height, chunk_block, mask_upto, panel_buffer, rank_block,
+                   row_masks, transpose)
+from .gemm_bf16 import _load_bit, _pack_kvec, _pack_wvec, _pair, load_bits, zero_rows
 from .kernels import KernelKey, register
 from .target import host
 
@@ -181,7 +181,6 @@ def _build_pair_rows(key: GemmBf16PairRowsKey, symbol: str) -> ir.Module:
     W = 16
     src, dst = u.arg_ptr(b, args, 0), u.arg_ptr(b, args, 1)
     N, K, s_k, prows, npan, per = (u.arg(b, args, i) for i in range(2, 8))
-    iv = ir.VectorType(u.I32, W)
     pstride = b.mul(prows, u.i64(BLOCK))               # words of a panel
     with u.Loop(b, c0, c1, 1, "q") as q:
         r0 = b.mul(q, per)
@@ -198,9 +197,8 @@ def _build_pair_rows(key: GemmBf16PairRowsKey, symbol: str) -> ir.Module:
                     lo = load_bits(b, src, b.add(row0, col), key.dtype, W, m)
                     hi = load_bits(b, src, b.add(row1, col), key.dtype, W,
                                    b.select(has1, m, mask_upto(b, u.i64(0), W)))
-                    word = b.or_(b.zext(lo, iv), b.shl(b.zext(hi, iv), u.const(iv, 16)))
                     at = b.add(b.mul(p, pstride), b.add(b.mul(kp, u.i64(BLOCK)), u.i64(v * W)))
-                    st = b.store(word, b.gep(dst, [at], source_etype=u.I32))
+                    st = b.store(_pair(b, lo, hi), b.gep(dst, [at], source_etype=u.I32))
                     st.align = 4
     b.ret_void()
     return mod
@@ -248,26 +246,17 @@ def _build_amx(key: GemmBf16AmxKey, symbol: str) -> ir.Module:
     p_bytes = b.mul(ldp, u.i64(4))
     if key.b_mode:           # B is b itself: its panels packed slice by slice on the stack
         Kb, s_bk, s_bn = (u.arg(b, args, i) for i in range(15, 18))
-        bstack = u.entry_alloca(b, ir.ArrayType(u.I32, SLICE_TILES * 16 * BLOCK), "bpanel")
-        bstack.align = 64
-        bstack.type = u.PTR
+        bstack = panel_buffer(b, SLICE_TILES * 16 * BLOCK)   # pair words, as many as floats
     rk = rank_block(b, args, 18 if key.b_mode else 15) if key.ranked else None
     tload, tstore, tzero, tdp = _tile_ops(b)
     _config(b)
-    bufs = []
-    for name in ("tiles", "turned")[:1 + key.transposed]:
-        buf = u.entry_alloca(b, ir.ArrayType(u.F32, BLOCK * BLOCK), name)
-        buf.align = 64
-        buf.type = u.PTR
-        bufs.append(buf)
+    bufs = [panel_buffer(b, BLOCK * BLOCK) for _ in range(1 + key.transposed)]   # tiles, turned
     racc = ([[u.entry_alloca(b, fv, f"r{r}_{v}") for v in range(2)] for r in range(RANK_ROWS)]
             if key.ranked else None)
     a_stride = b.mul(s_a, u.i64(2)) if key.direct else u.i64(64)
     row_bytes = u.i64(BLOCK * 4)
     pairs = b.mul(G, u.i64(TILE_K // 2))            # pair rows of a B panel
-    # C's rows and columns: A's rows and B's columns, or the other way round
-    c_rows, c_cols = (N, M) if key.transposed else (M, N)
-    last_row = b.sub(c_rows, u.i64(1))
+    last_row = b.sub(N if key.transposed else M, u.i64(1))      # C's last row
 
     with u.Loop(b, c0, c1, 1, "c") as c:
         row0, row1, col0, col1 = chunk_block(b, c, mfast, nmb, nnb, MC, NC, M, N)
@@ -275,6 +264,7 @@ def _build_amx(key: GemmBf16AmxKey, symbol: str) -> ir.Module:
             g1 = u.smin(b, b.add(g0, KS), G)
             first = b.icmp_signed("==", g0, u.i64(0))
             last = b.icmp_signed(">=", g1, G)
+
             def block(i0, j0, bbase, panel):
                 """The 32 x 32 block of C at rows i0 of A, columns j0 of B, for this slice: B's
                 panel at word `panel` of bbase, its tile rows numbered from the slice's
@@ -363,12 +353,7 @@ def _pack_slice(b, key, src, dst, g0, g1, j0, K, N, s_bk, s_bn):
     else:
         _pack_kvec(b, src, dst, sbase, u.i64(0), kcl, wvalid, s_bn, BLOCK, key.b_dtype, W,
                    False)
-    zero = u.const(ir.VectorType(u.I32, W), 0)
-    with u.Loop(b, kpl, b.mul(b.sub(g1, g0), u.i64(TILE_K // 2)), 1, "zp") as kp:
-        for v in range(BLOCK // W):
-            st = b.store(zero, b.gep(dst, [b.add(b.mul(kp, u.i64(BLOCK)), u.i64(v * W))],
-                                     source_etype=u.I32))
-            st.align = 64
+    zero_rows(b, dst, u.i64(0), kpl, b.mul(b.sub(g1, g0), u.i64(TILE_K // 2)), BLOCK)
 
 
 def _epilogue(b, key, bufs, R, i0, j0, M, N, C, ldc, rk, racc, last_row):

@@ -279,29 +279,16 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
         plan.awords = npan * 16 * Kp // 2
         s_a = 0
     dt, width, s_w, s_k = bside
-    npan = -(-width // amx.BLOCK)
     mode = _mode(width, K, s_w, s_k)
     # a long k in slices, the sums of the earlier ones waiting in a place of their own
     KS = G if G <= AMX_LONG_K else AMX_K_SLICE
     long_k = KS < G
     # streaming (a long k): the tile kernel packs each panel of a slice itself, once
     inline = long_k and mode != "any" and KS <= amx.SLICE_TILES
-    plan.btail = (K, s_k, s_w) if inline else ()
     if inline:
-        plan.bpack, plan.bwords = None, 0
-    elif mode == "wvec":     # rows of b in order (a frozen weight's dx: no page walk a row)
-        prows = Kp // 2
-        per = max(1, min(prows, PACK_CHUNK // (npan * amx.BLOCK)))
-        addr = kernels.get(amx.GemmBf16PairRowsKey(dt))
-        plan.bpack = (addr, -(-prows // per), npan * amx.BLOCK * Kp,
-                      (width, K, s_k, prows, npan, per))
+        plan.bpack, plan.bwords, plan.btail = None, 0, (K, s_k, s_w)
     else:
-        per, groups = pack_groups(npan, amx.BLOCK * Kp, 1)
-        addr = kernels.get(g.GemmBf16PackKey(dt, amx.BLOCK, mode, False, True))
-        plan.bpack = (addr, groups, npan * amx.BLOCK * Kp,
-                      (width, K, s_w, s_k, Kp, npan, per, groups))
-    if not inline:
-        plan.bwords = npan * amx.BLOCK * Kp // 2
+        (plan.bpack, plan.bwords), plan.btail = _amx_bpack(bside, mode, K, Kp), ()
     plan.partial = 0 if KS == G else -(-rows // amx.BLOCK) * amx.BLOCK * \
         (-(-cols // amx.BLOCK) * amx.BLOCK)
     # chunks: B in column blocks of at most AMX_NC, A's rows in blocks of 32 small enough for
@@ -322,6 +309,23 @@ def _amx_plan(a, b, accumulate: bool, ranked: bool) -> AmxPlan:
     plan.tile = (kernels.get(key), nmb * nnb, M * N * K,
                  (rows, cols, G, s_a, MC, NC, nmb, nnb, int(cols > rows), N, KS))
     return plan
+
+
+def _amx_bpack(bside, mode, K, Kp):
+    """(the launch packing B's pair panels, the words they take) for the B side (dtype,
+    width, s_w, s_k) laid out as `mode`."""
+    dt, width, s_w, s_k = bside
+    npan = -(-width // amx.BLOCK)
+    if mode == "wvec":       # rows of b in order (a frozen weight's dx: no page walk a row)
+        prows = Kp // 2
+        per = max(1, min(prows, PACK_CHUNK // (npan * amx.BLOCK)))
+        addr = kernels.get(amx.GemmBf16PairRowsKey(dt))
+        pack = (addr, -(-prows // per), npan * amx.BLOCK * Kp, (width, K, s_k, prows, npan, per))
+    else:
+        per, groups = pack_groups(npan, amx.BLOCK * Kp, 1)
+        addr = kernels.get(g.GemmBf16PackKey(dt, amx.BLOCK, mode, False, True))
+        pack = (addr, groups, npan * amx.BLOCK * Kp, (width, K, s_w, s_k, Kp, npan, per, groups))
+    return pack, npan * amx.BLOCK * Kp // 2
 
 
 def _packed(ctx, pack, words, src):
