@@ -865,29 +865,36 @@ def test_edge_rows_have_their_micro_tiles():
 @pytest.mark.parametrize("mode", ["kvec", "wvec"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("k_tail", [37, 0], ids=["k-tail", "whole-blocks"])
-def test_pack_writes_its_panels_and_nothing_past_them(mode, threads, k_tail):
-    """gemm_pack's A panels, MR rows each, in gemm_pack's layout P[kb][panel][k][w] (zeros
-    past M): element for element, and not a float past the packed size — AVX2's 6-row rows
-    are narrower than a vector and store whole vectors into the next row's start (row_spill),
-    all but each panel's last row (whole panels and KC blocks: the last panel's last k ends
-    a group of whole vectors, the unmasked path's)."""
+@pytest.mark.parametrize("panels,width,dtype", [(5, "mr", "f32"), (13, "mr", "f32"),
+                                                (7, "nr", "bf16")],
+                         ids=["a-5", "a-13", "b-7-bf16"])
+def test_pack_writes_its_panels_and_nothing_past_them(mode, threads, k_tail, panels, width,
+                                                      dtype):
+    """gemm_pack's panels, `width` rows each (A: MR, B: NR), in gemm_pack's layout
+    P[kb][panel][k][w] (zeros past the rows; a bf16 source widened exactly): element for
+    element, and not a float past the packed size — AVX2's 6-row rows are narrower than a
+    vector: kvec stores whole vectors into the next row's start (row_spill), all but each
+    panel's last row; wvec copies a group of whole panels in pieces (6 = 4 + 2 floats) and an
+    edge group with masks. 13 panels make whole wvec groups and an edge one."""
     from fucina.codegen import gemm as g
-    MR, KC = g.mr(), g.KC
-    M, K = (5 * MR + 3, KC + k_tail) if k_tail else (5 * MR, 2 * KC)
+    Wp, KC = (g.mr() if width == "mr" else g.nr()), g.KC
+    M, K = (panels * Wp + 3, KC + k_tail) if k_tail else (panels * Wp, 2 * KC)
     A = _data(np.random.default_rng(M), M, K)
+    if dtype == "bf16":
+        A = bf16_bits_to_f32(f32_to_bf16_bits(A))
     with fu.ExecContext(threads=threads) as ctx:
-        src = ctx.from_numpy(A if mode == "kvec" else np.ascontiguousarray(A.T))
+        src = ctx.from_numpy(A if mode == "kvec" else np.ascontiguousarray(A.T), dtype=dtype)
         s_w, s_k = (K, 1) if mode == "kvec" else (1, M)
-        step, _, size = mm.pack_step(mm.A, "f32", MR, M, K, s_w, s_k, (1, 1, 1), (0, 0, 0), 1, 0)
+        step, _, size = mm.pack_step(mm.A, dtype, Wp, M, K, s_w, s_k, (1, 1, 1), (0, 0, 0), 1, 0)
         addr, n, cost, _, tail = step
         assert tail[:4] == (M, K, s_w, s_k)
         out = ctx.from_numpy(np.full(size + 64, 7.0, np.float32))
         ctx.launch(addr, n, cost, src.addr, out.addr, *tail)
         got = out.to_numpy()
-    npan = -(-M // MR)
-    Ap = np.zeros((npan * MR, K), np.float32)
+    npan = -(-M // Wp)
+    Ap = np.zeros((npan * Wp, K), np.float32)
     Ap[:M] = A
-    want = np.concatenate([Ap[p * MR:(p + 1) * MR, k0:k0 + KC].T.reshape(-1)
+    want = np.concatenate([Ap[p * Wp:(p + 1) * Wp, k0:k0 + KC].T.reshape(-1)
                            for k0 in range(0, K, KC) for p in range(npan)])
     assert size == want.size
     assert_bitwise(got[:size], want)
