@@ -552,23 +552,21 @@ def _direct_b(dt, mode, b, args, N, K, NRc):
         if mode == "kvec":
             _pack_kvec(b, iptr, panel, kcl, wvalid, s_bn, NRc, dt, W, pf=False)
             return panel
-        masks = [mask_upto(b, b.sub(wvalid, u.i64(v * W)), W) for v in range(V)]
 
-        def rows(masked):
+        def rows(masks):
             with u.Loop(b, u.i64(0), kcl, 1, "kb") as k:
                 row = b.mul(k, s_bk)
                 for v in range(V):
-                    x = u.load(b, iptr, b.add(row, u.i64(v * W)), dt, W,
-                               masks[v] if masked else None)
+                    x = u.load(b, iptr, b.add(row, u.i64(v * W)), dt, W, masks[v])
                     u.store(b, x, panel, b.add(b.mul(k, u.i64(NRc)), u.i64(v * W)), "f32")
 
         # a whole panel's rows load plainly: AVX2 has no masked load of 16-bit lanes (LLVM
         # split each f16 / bf16 row into single elements and branches)
         with b.if_else(b.icmp_signed(">=", wvalid, u.i64(NRc)), likely=True) as (whole, edge):
             with whole:
-                rows(False)
+                rows([None] * V)
             with edge:
-                rows(True)
+                rows([mask_upto(b, b.sub(wvalid, u.i64(v * W)), W) for v in range(V)])
         return panel
 
     def ahead(bt, k0, j0, col0, col1, part, parts):
